@@ -1,0 +1,43 @@
+# kv-lifecycle: `make demo` and `make test` bootstrap everything they need.
+SHELL := /bin/bash
+PY := .venv/bin/python
+STAMP := .venv/.bootstrapped
+REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh)
+PYTEST_ARGS ?=
+
+.PHONY: all venv test lint typecheck diagrams diagrams-check unit demo bench clean
+
+all: test
+
+$(STAMP): $(REQS)
+	scripts/bootstrap.sh
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: $(STAMP)
+	$(PY) -m ruff check lifecycle connector tests benchmarks scripts
+	$(PY) -m ruff format --check lifecycle connector tests benchmarks scripts
+
+typecheck: $(STAMP)
+	$(PY) -m mypy --strict lifecycle connector
+
+diagrams: $(STAMP)
+	$(PY) -m lifecycle render
+
+diagrams-check: $(STAMP)
+	$(PY) -m lifecycle render --check
+
+unit: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck diagrams-check unit
+
+demo: $(STAMP)
+	$(PY) -m lifecycle demo
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.dispatch --json
+
+clean:
+	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis

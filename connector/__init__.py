@@ -1,0 +1,1 @@
+"""vLLM KV connector over the Mooncake store, built on `lifecycle`."""

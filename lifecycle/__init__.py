@@ -1,0 +1,1 @@
+"""Typed KV request lifecycle state machines."""

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One-time machine set-up: Debian packages and the project's .venv.
+# Idempotent: a second run with nothing changed installs nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+APT_PKGS=(graphviz libibverbs1 libnuma1)
+
+missing=()
+for p in "${APT_PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" \
+        || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    echo "bootstrap: installing Debian packages: ${missing[*]}"
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    echo "bootstrap: creating .venv with $($PY --version)"
+    "$PY" -m venv .venv
+fi
+echo "bootstrap: installing pinned Python packages"
+.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements/base.txt
+if [ -x scripts/install_vllm.sh ]; then
+    scripts/install_vllm.sh .venv
+fi

@@ -1,0 +1,268 @@
+"""The lifecycle machine: `transitions.Machine` with a precompiled dispatch.
+
+`LifecycleMachine` is built from a `Table`.  It registers every row with
+`transitions` (``auto_transitions=False``), then compiles a dispatch from
+the machine's own `Event.transitions`, so the fast path and the stock
+trigger path share one definition and a differential test can hold them
+to the same result.  One machine serves every tracker: trackers are never
+passed to `add_model`, never get bound methods, and the machine keeps no
+list of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Final, Protocol
+
+import attrs
+from transitions import EventData, Machine
+
+from lifecycle._ratelimit import RateLimitedLog
+from lifecycle.errors import IllegalTransition, UnknownRequest
+from lifecycle.states import Event, State
+from lifecycle.table import TABLE, Row, Table
+from lifecycle.tracker import CALLBACKS, Callback, Tracker
+
+log: Final = logging.getLogger("lifecycle")
+
+
+class Observer(Protocol):
+    """Called after every transition (under the machine's lock)."""
+
+    def __call__(
+        self, tracker: Tracker, source: State, event: Event, dest: State
+    ) -> None:
+        """Observe `tracker` moving from `source` to `dest` on `event`."""
+
+
+class _TxCallback:
+    """Adapts a tracker callback to transitions' ``send_event`` calling."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: Callback) -> None:
+        self.target = target
+
+    def __call__(self, event_data: EventData) -> None:
+        self.target(event_data.model)
+
+
+@attrs.frozen
+class _Compiled:
+    index: int
+    dest: State
+    after: tuple[Callback, ...]
+
+
+class LifecycleMachine(Machine):
+    """The shared state machine of every request tracker.
+
+    Args:
+        table: The transition table (default: the KV request lifecycle).
+        strict: Raise `IllegalTransition` on an illegal ordering instead
+            of the logged, counted no-op.  For tests.
+        log_interval: Seconds between two log records for the same
+            (state, event) illegal pair; the rest are counted.
+        logger: Where illegal orderings are logged.
+
+    Thread safety: `fire` holds one lock for the whole transition, so
+    events fired concurrently from transfer threads and the scheduler
+    thread never interleave inside a transition.  Callbacks and observers
+    run under that lock and must not fire events.
+    """
+
+    def __init__(
+        self,
+        table: Table = TABLE,
+        *,
+        strict: bool = False,
+        log_interval: float = 10.0,
+        logger: logging.Logger = log,
+    ) -> None:
+        config = [
+            {
+                "trigger": r.event.value,
+                "source": r.source,
+                "dest": r.dest,
+                "after": [_TxCallback(CALLBACKS[n]) for n in r.after],
+            }
+            for r in table.rows
+        ]
+        super().__init__(
+            model=None,
+            states=list(table.states),
+            transitions=config,
+            initial=table.initial,
+            auto_transitions=False,
+            ignore_invalid_triggers=True,
+            send_event=True,
+            name="lifecycle",
+        )
+        self.table = table
+        self.strict = strict
+        self.illegal_counts: Counter[tuple[State | None, Event]] = Counter()
+        self.stale_counts: Counter[tuple[State, Event]] = Counter()
+        self._lock = threading.Lock()
+        self._illegal_log = RateLimitedLog(logger, log_interval)
+        self._stale_log = RateLimitedLog(logger, log_interval, logging.DEBUG)
+        self._observers: tuple[Observer, ...] = ()
+        self._rows: tuple[Row, ...] = table.rows
+        self._counts: list[int] = [0] * len(table.rows)
+        self._dispatch = self._compile()
+
+    def _compile(self) -> dict[Event, dict[State, _Compiled]]:
+        """Build the fast dispatch from transitions' own event objects."""
+        index = {(r.source, r.event): i for i, r in enumerate(self._rows)}
+        dispatch: dict[Event, dict[State, _Compiled]] = {e: {} for e in Event}
+        for name, tx_event in self.events.items():
+            event = Event(name)
+            for source_name, transitions in tx_event.transitions.items():
+                (tx,) = transitions  # one row per (state, event): validated
+                source = State[source_name]
+                dispatch[event][source] = _Compiled(
+                    index=index[(source, event)],
+                    dest=State[str(tx.dest)],
+                    after=tuple(
+                        cb.target
+                        for cb in tx.after
+                        if isinstance(cb, _TxCallback)
+                    ),
+                )
+        return dispatch
+
+    # -- the typed event API ----------------------------------------------
+
+    def fire(
+        self, tracker: Tracker, event: Event, *, epoch: int | None = None
+    ) -> bool:
+        """Apply `event` to `tracker` as the table says.
+
+        Args:
+            tracker: The request's tracker.
+            event: The event.
+            epoch: The epoch a transfer job was issued in.  If it differs
+                from the tracker's, the event is stale: counted, never
+                applied, never raised.
+
+        Returns:
+            True if a row applied.  False for an illegal ordering (tracker
+            unchanged, counted, logged at a bounded rate) or a stale event.
+
+        Raises:
+            IllegalTransition: in strict mode, for an illegal ordering.
+        """
+        with self._lock:
+            state = tracker.state
+            if epoch is not None and epoch != tracker.epoch:
+                self._stale(tracker, event, epoch)
+                return False
+            row = self._dispatch[event].get(state)
+            if row is None:
+                return self._illegal(tracker, event)
+            tracker.state = row.dest
+            for callback in row.after:
+                callback(tracker)
+            self._counts[row.index] += 1
+            for observer in self._observers:
+                observer(tracker, state, event, row.dest)
+            return True
+
+    def can_fire(self, tracker: Tracker, event: Event) -> bool:
+        """Whether `event` has a row for the tracker's current state."""
+        return tracker.state in self._dispatch[event]
+
+    def fire_stock(self, tracker: Tracker, event: Event) -> bool:
+        """Apply `event` through transitions' stock trigger path.
+
+        Same table, same callbacks, same result as `fire` (checked by a
+        differential test); 10-20 times slower.  No counters, no policy:
+        an illegal event returns False and transitions logs its own
+        warning.
+        """
+        with self._lock:
+            return bool(self.events[event.value].trigger(tracker))
+
+    # -- policy -----------------------------------------------------------
+
+    def _illegal(self, tracker: Tracker, event: Event) -> bool:
+        state = tracker.state
+        self.illegal_counts[(state, event)] += 1
+        if self.strict:
+            raise IllegalTransition(
+                state, event, tracker.req_id, tracker.epoch
+            )
+        self._illegal_log.emit(
+            (state, event),
+            "illegal lifecycle event (ignored):",
+            {
+                "req_id": tracker.req_id,
+                "epoch": tracker.epoch,
+                "state": state.name,
+                "event": event.value,
+            },
+        )
+        return False
+
+    def _stale(self, tracker: Tracker, event: Event, epoch: int) -> None:
+        self.stale_counts[(tracker.state, event)] += 1
+        self._stale_log.emit(
+            ("stale", event),
+            "stale lifecycle event (ignored):",
+            {
+                "req_id": tracker.req_id,
+                "epoch": tracker.epoch,
+                "job_epoch": epoch,
+                "state": tracker.state.name,
+                "event": event.value,
+            },
+        )
+
+    def unknown(self, req_id: str, event: Event) -> bool:
+        """Apply the illegal-ordering policy to an event for an unknown id.
+
+        Returns:
+            False (the event was not applied).
+
+        Raises:
+            UnknownRequest: in strict mode.
+        """
+        with self._lock:
+            self.illegal_counts[(None, event)] += 1
+            if self.strict:
+                raise UnknownRequest(event, req_id)
+            self._illegal_log.emit(
+                (None, event),
+                "lifecycle event for unknown request (ignored):",
+                {"req_id": req_id, "state": None, "event": event.value},
+            )
+            return False
+
+    # -- observation ------------------------------------------------------
+
+    def add_observer(self, observer: Observer) -> None:
+        """Call `observer` after every applied transition."""
+        with self._lock:
+            self._observers = (*self._observers, observer)
+
+    def remove_observer(self, observer: Observer) -> None:
+        """Stop calling `observer`; unknown observers are ignored."""
+        with self._lock:
+            self._observers = tuple(
+                o for o in self._observers if o is not observer
+            )
+
+    def transition_counts(self) -> dict[Row, int]:
+        """How often each row applied, for every row (zeros included)."""
+        with self._lock:
+            return dict(zip(self._rows, self._counts, strict=True))
+
+    @property
+    def illegal_total(self) -> int:
+        """Illegal orderings seen so far (unknown ids included)."""
+        return sum(self.illegal_counts.values())
+
+    def __iter__(self) -> Iterator[Row]:
+        return iter(self._rows)

@@ -1,0 +1,98 @@
+"""The caller's map from request id to tracker, with the lifecycle policy.
+
+A connector keeps exactly one `Registry`: it is the only per-request map.
+Events for unknown ids get the same policy as illegal orderings (counted,
+logged at a bounded rate, raised in strict mode), and a tracker is dropped
+the moment it reaches a terminal state, so finished requests leave nothing
+behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+from lifecycle.machine import LifecycleMachine
+from lifecycle.states import Event
+from lifecycle.tracker import Tracker
+
+T = TypeVar("T", bound=Tracker)
+
+
+class Registry(Generic[T]):
+    """Live trackers by request id, all driven by one shared machine.
+
+    Args:
+        machine: The shared lifecycle machine.
+        factory: Builds a tracker for a new request id.
+    """
+
+    __slots__ = ("_factory", "_trackers", "machine")
+
+    def __init__(
+        self, machine: LifecycleMachine, factory: Callable[[str], T]
+    ) -> None:
+        self.machine = machine
+        self._factory = factory
+        self._trackers: dict[str, T] = {}
+
+    def get(self, req_id: str) -> T | None:
+        """The live tracker for `req_id`, or None."""
+        return self._trackers.get(req_id)
+
+    def get_or_create(self, req_id: str) -> T:
+        """The live tracker for `req_id`, created in the initial state."""
+        tracker = self._trackers.get(req_id)
+        if tracker is None:
+            tracker = self._factory(req_id)
+            self._trackers[req_id] = tracker
+        return tracker
+
+    def fire(
+        self,
+        req_id: str,
+        event: Event,
+        *,
+        epoch: int | None = None,
+        known: bool = True,
+    ) -> bool:
+        """Fire `event` on the tracker of `req_id`; drop it if it ended.
+
+        Args:
+            req_id: The request id.
+            event: The event.
+            epoch: The epoch of the transfer job reporting, if any.
+            known: Whether the caller expects the id to be tracked.  An
+                unknown id is then an illegal ordering (policy applies);
+                with False it is silently ignored (e.g. a save completing
+                after its request finished, which is normal).
+
+        Returns:
+            Whether a transition applied.
+        """
+        tracker = self._trackers.get(req_id)
+        if tracker is None:
+            return self.machine.unknown(req_id, event) if known else False
+        return self.fire_on(tracker, event, epoch=epoch)
+
+    def fire_on(
+        self, tracker: T, event: Event, *, epoch: int | None = None
+    ) -> bool:
+        """Fire `event` on `tracker`; drop it from the registry if it ended."""
+        applied = self.machine.fire(tracker, event, epoch=epoch)
+        if applied and tracker.state.terminal:
+            self._trackers.pop(tracker.req_id, None)
+        return applied
+
+    def discard(self, req_id: str) -> T | None:
+        """Forget `req_id` without an event (e.g. at shutdown)."""
+        return self._trackers.pop(req_id, None)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._trackers
+
+    def __len__(self) -> int:
+        return len(self._trackers)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(list(self._trackers.values()))

@@ -21,6 +21,11 @@ class State(enum.Enum):
     FINISHED = "finished"
     ABORTED = "aborted"
 
+    # Members are singletons compared by identity, so identity hashing is
+    # consistent with equality; it makes the dispatch lookup a C call
+    # instead of `Enum.__hash__` in Python.
+    __hash__ = object.__hash__
+
     @property
     def terminal(self) -> bool:
         """Whether the lifecycle is over (no event leaves this state)."""

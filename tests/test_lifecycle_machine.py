@@ -209,11 +209,14 @@ class TestTracker:
 
 
 class TestDifferential:
+    @pytest.mark.parametrize("thread_safe", [True, False])
     @settings(max_examples=300, deadline=None)
-    @given(event_sequences())
-    def test_fast_path_matches_stock_transitions(self, events) -> None:
+    @given(events=event_sequences())
+    def test_fast_path_matches_stock_transitions(
+        self, thread_safe, events
+    ) -> None:
         """The compiled dispatch == transitions' own trigger, callbacks too."""
-        machine = LifecycleMachine()
+        machine = LifecycleMachine(thread_safe=thread_safe)
         fast, stock = Tracker("r"), Tracker("r")
         for seed in (fast, stock):
             seed.block_ids.extend([1, 2])

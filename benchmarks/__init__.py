@@ -1,0 +1,1 @@
+"""Benchmarks that print JSON; run as ``python -m benchmarks.<name>``."""

@@ -1,0 +1,234 @@
+"""Cost of one lifecycle event, ours vs stock transitions vs a dict.
+
+``python -m benchmarks.dispatch --json`` prints one JSON object, measured in
+one run: medians over repeats of the same legal event sequence driven
+through every variant, interleaved so machine noise hits all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import time
+import tracemalloc
+import weakref
+from collections.abc import Callable
+
+import attrs
+from transitions import Machine
+
+from lifecycle import TABLE, Event, LifecycleMachine, Registry, State, Tracker
+
+E = Event
+# One request's life through the table: 10 legal events, with callbacks.
+CYCLE = (
+    E.LOOKUP,
+    E.ALLOC_LOCAL,
+    E.SAVE_ISSUED,
+    E.SAVE_DONE,
+    E.PREEMPT,
+    E.RESET,
+    E.LOOKUP,
+    E.ALLOC_LOCAL,
+    E.RESUME,
+    E.FINISH,
+)
+
+
+@attrs.define(slots=True, eq=False)
+class _Plain:
+    req_id: str
+    state: State = State.NEW
+
+
+class _Model:
+    """A plain object for the machine-per-model variant."""
+
+    def __init__(self) -> None:
+        self.state = State.NEW
+
+
+def _timed(run: Callable[[], int]) -> float:
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        n = run()
+        return (time.perf_counter() - start) / n * 1e6
+    finally:
+        gc.enable()
+
+
+def _lifecycle(machine: LifecycleMachine, n: int) -> Callable[[], int]:
+    trackers = [Tracker(f"r{i}") for i in range(n)]
+
+    def run() -> int:
+        fire = machine.fire
+        for t in trackers:
+            t.state = State.NEW
+            for e in CYCLE:
+                fire(t, e)
+        return n * len(CYCLE)
+
+    return run
+
+
+def _illegal(machine: LifecycleMachine, n: int) -> Callable[[], int]:
+    trackers = [Tracker(f"r{i}") for i in range(n)]
+
+    def run() -> int:
+        fire = machine.fire
+        for t in trackers:
+            for _ in range(10):
+                fire(t, E.LOAD_DONE)
+        return n * 10
+
+    return run
+
+
+def _stock(machine: LifecycleMachine, n: int) -> Callable[[], int]:
+    events = {e: machine.events[e.value] for e in Event}
+
+    trackers = [Tracker(f"r{i}") for i in range(n)]
+
+    def run() -> int:
+        for t in trackers:
+            t.state = State.NEW
+            for e in CYCLE:
+                events[e].trigger(t)
+        return n * len(CYCLE)
+
+    return run
+
+
+def _per_model(n: int) -> Callable[[], int]:
+    config = [
+        {"trigger": r.event.value, "source": r.source, "dest": r.dest}
+        for r in TABLE.rows
+    ]
+
+    pairs = []
+    for _ in range(n):
+        model = _Model()
+        machine = Machine(
+            model=model,
+            states=list(TABLE.states),
+            transitions=config,
+            initial=State.NEW,
+            auto_transitions=False,
+        )
+        pairs.append((model, machine))
+
+    def run() -> int:
+        for model, machine in pairs:
+            model.state = State.NEW
+            for e in CYCLE:
+                machine.events[e.value].trigger(model)
+        return n * len(CYCLE)
+
+    return run
+
+
+def _dict(n: int) -> Callable[[], int]:
+    table = {(r.source, r.event): r.dest for r in TABLE.rows}
+
+    trackers = [_Plain(f"r{i}") for i in range(n)]
+
+    def run() -> int:
+        for t in trackers:
+            t.state = State.NEW
+            for e in CYCLE:
+                dest = table.get((t.state, e))
+                if dest is not None:
+                    t.state = dest
+        return n * len(CYCLE)
+
+    return run
+
+
+def _tracker_bytes(live: int) -> tuple[float, int]:
+    """Bytes per live tracker in a registry, and how many survive a drop."""
+    machine = LifecycleMachine()
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    registry: Registry[Tracker] = Registry(machine, Tracker)
+    for i in range(live):
+        t = registry.get_or_create(f"req-{i:08d}")
+        registry.fire_on(t, E.LOOKUP)
+        registry.fire_on(t, E.ALLOC_LOCAL)
+        t.block_ids.extend((i, i + 1))
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    gc.disable()
+    try:
+        refs = [weakref.ref(t) for t in registry]
+        del t
+        for tracker in list(registry):
+            registry.fire_on(tracker, E.FINISH)
+        del tracker
+        alive = sum(r() is not None for r in refs)
+    finally:
+        gc.enable()
+    return used / live, alive
+
+
+def main() -> None:
+    """Run the benchmark and print the results."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--live", type=int, default=100_000)
+    args = parser.parse_args()
+    logging.getLogger("lifecycle").setLevel(logging.CRITICAL)
+    logging.getLogger("transitions").setLevel(logging.CRITICAL)
+    machine = LifecycleMachine()
+    unlocked = LifecycleMachine(thread_safe=False)
+    n = args.requests
+    variants = {
+        "lifecycle_us": _lifecycle(machine, n),
+        "lifecycle_unlocked_us": _lifecycle(unlocked, n),
+        "lifecycle_illegal_us": _illegal(machine, n),
+        "transitions_us": _stock(machine, n),
+        "transitions_per_model_us": _per_model(max(n // 10, 50)),
+        "dict_us": _dict(n),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(args.repeats):
+        for name, run in variants.items():
+            samples[name].append(_timed(run))
+    result: dict[str, object] = {
+        k: round(statistics.median(v), 3) for k, v in samples.items()
+    }
+    per_tracker, alive = _tracker_bytes(args.live)
+    lc = statistics.median(samples["lifecycle_us"])
+    result |= {
+        "tracker_bytes": round(per_tracker, 1),
+        "alive_after_drop": alive,
+        "lifecycle_over_dict": round(
+            lc / statistics.median(samples["dict_us"]), 2
+        ),
+        "unlocked_over_dict": round(
+            statistics.median(samples["lifecycle_unlocked_us"])
+            / statistics.median(samples["dict_us"]),
+            2,
+        ),
+        "transitions_over_lifecycle": round(
+            statistics.median(samples["transitions_us"]) / lc, 1
+        ),
+        "events_per_cycle": len(CYCLE),
+        "repeats": args.repeats,
+        "live_trackers": args.live,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for k, v in result.items():
+            print(f"{k:>28}: {v}")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from lifecycle.render import to_markdown
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -20,6 +22,4 @@ def test_lifecycle_example_runs() -> None:
 
 
 def test_readme_table_matches_the_generated_one() -> None:
-    from lifecycle.render import to_markdown
-
     assert to_markdown() in README.read_text()

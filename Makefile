@@ -34,6 +34,7 @@ unit: $(STAMP)
 test: lint typecheck diagrams-check unit
 
 demo: $(STAMP)
+	$(PY) -m lifecycle render
 	$(PY) -m lifecycle demo
 
 bench: $(STAMP)

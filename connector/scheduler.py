@@ -1,0 +1,409 @@
+"""The scheduler half of the connector.
+
+Each vLLM hook looks up the request's tracker, fires one or a few lifecycle
+events, and returns what the events decided.  The registry of trackers is
+the only per-request map; the only other table is of open transfer jobs,
+keyed by job id, which outlive their request on purpose: a save pins its
+blocks in vLLM's block pool until every rank has finished reading them, so
+neither preemption nor completion can hand those blocks to another request
+while the store still reads them (vLLM #52360).  `request_finished` never
+delays freeing, so there is never a send completion to owe (invariant 2).
+
+No vLLM import: vLLM objects are read by attribute (duck typing), so the
+half is usable, and testable, without vLLM.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from typing import Any, Final, Protocol
+
+import attrs
+
+from connector.metadata import ConnectorMeta, JobKind, TransferJob
+from lifecycle import Event, LifecycleMachine, Registry, State, Tracker
+
+log: Final = logging.getLogger(__name__)
+
+_ABORT_STATUSES: Final = frozenset({"FINISHED_ABORTED", "FINISHED_ERROR"})
+
+
+class Role(enum.Enum):
+    """vLLM's `kv_role`: who saves (every role loads)."""
+
+    PRODUCER = "kv_producer"
+    CONSUMER = "kv_consumer"
+    BOTH = "kv_both"
+
+    @property
+    def saves(self) -> bool:
+        """Whether this role writes KV to the store."""
+        return self is not Role.CONSUMER
+
+
+class HitLookup(Protocol):
+    """Answers how much of a prefix the store holds."""
+
+    def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of `block_hashes` are stored."""
+
+
+class BlockPool(Protocol):
+    """The part of vLLM's `BlockPool` used to pin blocks."""
+
+    blocks: Sequence[Any]
+
+    def touch(self, blocks: Sequence[Any]) -> None:
+        """Take one reference on each block."""
+
+    def free_blocks(self, ordered_blocks: Sequence[Any]) -> None:
+        """Drop one reference on each block."""
+
+
+@attrs.define(slots=True, eq=False, on_setattr=attrs.setters.NO_OP)
+class RequestTracker(Tracker):
+    """A request's tracker plus what the scheduler half needs.
+
+    Attributes:
+        num_prompt_tokens: Prompt length; saves stop at the last full
+            prompt block (decode KV is not saved).
+        num_local_tokens: vLLM's local prefix-cache hit at the lookup.
+        block_hashes: vLLM's live list of the request's chained block
+            hashes (grows as tokens are added).
+        lookup_key: (epoch, blocks asked) of the cached lookup result, so
+            repeated lookups while vLLM waits for space cost nothing.
+        load_job: The open load job, or -1.
+    """
+
+    num_prompt_tokens: int = 0
+    num_local_tokens: int = 0
+    block_hashes: list[bytes] = attrs.field(factory=list)
+    lookup_key: tuple[int, int] = (-1, -1)
+    load_job: int = -1
+
+
+@attrs.define(slots=True, eq=False)
+class _OpenJob:
+    job: TransferJob
+    pinned: list[Any]
+    ok: int = 0
+    failed: int = 0
+
+
+def _status_name(request: Any) -> str:
+    status = getattr(request, "status", None)
+    return str(getattr(status, "name", status))
+
+
+class SchedulerSide:
+    """The connector's scheduler-role logic.
+
+    Args:
+        block_size: vLLM's KV block size in tokens.
+        role: Who saves.
+        lookup: How to ask the store for a prefix.
+        world_size: Ranks that must report a job before it is settled.
+        machine: The lifecycle machine (strict in tests).
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        role: Role,
+        lookup: HitLookup,
+        world_size: int = 1,
+        machine: LifecycleMachine | None = None,
+    ) -> None:
+        if block_size <= 0:
+            msg = f"block_size must be positive, got {block_size}"
+            raise ValueError(msg)
+        self.block_size = block_size
+        self.role = role
+        self.world_size = world_size
+        self.machine = machine or LifecycleMachine()
+        self.registry: Registry[RequestTracker] = Registry(
+            self.machine, RequestTracker
+        )
+        self._lookup = lookup
+        self._pool: BlockPool | None = None
+        self._open: dict[int, _OpenJob] = {}
+        self._next_job = 0
+        self._step = 0
+        self._loads_to_issue: list[RequestTracker] = []
+        self.unexpected_reports = 0
+
+    # -- wiring -------------------------------------------------------------
+
+    def bind_block_pool(self, pool: BlockPool) -> None:
+        """Let saves pin their blocks (vLLM >= 0.22)."""
+        self._pool = pool
+
+    # -- hooks ----------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        """vLLM accepted a request: track it from NEW, before any lookup."""
+        tracker = self.registry.get_or_create(request.request_id)
+        tracker.block_hashes = request.block_hashes
+        tracker.num_prompt_tokens = request.num_prompt_tokens
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """External tokens loadable beyond vLLM's local hit, loaded async.
+
+        Block-aligned; a full hit leaves the last block to recompute.
+        Idempotent: vLLM repeats the call every step the request waits.
+        """
+        tracker = self.registry.get_or_create(request.request_id)
+        if not self.registry.fire_on(tracker, Event.LOOKUP):
+            return 0, False
+        tracker.block_hashes = request.block_hashes
+        tracker.num_prompt_tokens = request.num_prompt_tokens
+        tracker.num_tokens = request.num_tokens
+        tracker.num_local_tokens = num_computed_tokens
+        hit = self._hit_tokens(tracker, request.num_tokens)
+        external = max(hit - num_computed_tokens, 0)
+        return external, external > 0
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        """Blocks are allocated; `num_external_tokens > 0` means load them."""
+        tracker = self.registry.get(request.request_id)
+        if tracker is None:
+            self.machine.unknown(request.request_id, Event.ALLOC_LOCAL)
+            return
+        if num_external_tokens <= 0:
+            if self.registry.fire_on(tracker, Event.ALLOC_LOCAL):
+                self._mark_stored_prefix(tracker)
+            return
+        if self.registry.fire_on(tracker, Event.ALLOC_EXTERNAL):
+            tracker.block_ids = list(blocks.get_block_ids()[0])
+            tracker.num_external_tokens = num_external_tokens
+            self._mark_stored_prefix(tracker)
+            self._loads_to_issue.append(tracker)
+
+    def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
+        """Fold one scheduling step into lifecycle events and transfer jobs."""
+        self._step += 1
+        so = scheduler_output
+        jobs: list[TransferJob] = []
+        preempted = self._preempt(so.preempted_req_ids or ())
+        jobs.extend(
+            self._issue_load(t)
+            for t in self._loads_to_issue
+            if t.state is State.LOADING and t.load_job < 0
+        )
+        self._loads_to_issue.clear()
+        scheduled = so.num_scheduled_tokens
+        for new in so.scheduled_new_reqs:
+            found = self.registry.get(new.req_id)
+            if found is None:
+                continue
+            tracker = found
+            if tracker.state is State.RESET:
+                # Model runner v2 sends a resumed request as a new one.
+                self.registry.fire_on(tracker, Event.RESUME)
+            tracker.block_ids = list(new.block_ids[0])
+            done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            self._maybe_save(tracker, done, jobs)
+        cached = so.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        for i, req_id in enumerate(cached.req_ids):
+            found = self.registry.get(req_id)
+            if found is None:
+                continue
+            tracker = found
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                # A resume replaces the block table (vLLM #46595).
+                self.registry.fire_on(tracker, Event.RESUME)
+                tracker.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tracker.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            self._maybe_save(tracker, done, jobs)
+        return ConnectorMeta(
+            step=self._step,
+            jobs=tuple(jobs),
+            preempted=tuple(preempted),
+            finished=frozenset(so.finished_req_ids),
+        )
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM finished the request, in whatever state; never delays freeing.
+
+        Saves in flight hold their own block references, so the blocks can
+        be freed now; a request still loading is kept by vLLM itself until
+        its single receive completion (DRAINING).
+        """
+        del block_ids  # empty after preemption; saves pinned their own
+        abort = _status_name(request) in _ABORT_STATUSES
+        self.registry.fire(
+            request.request_id, Event.ABORT if abort else Event.FINISH
+        )
+        return False, None
+
+    def update_connector_output(self, output: Any) -> None:
+        """Settle finished jobs; report only receive completions vLLM expects.
+
+        `output.finished_recving` is replaced by the requests whose load job
+        settled here on every rank and whose lifecycle accepted it: never a
+        completion for a freed, unknown, or re-admitted request (vLLM
+        #43226, #46240, #51637), and exactly one per load (invariant 3).
+        """
+        report = getattr(output, "kv_connector_worker_meta", None)
+        results = getattr(report, "results", ()) if report else ()
+        settled: set[str] = set()
+        for result in results:
+            job = self._settle(result.job_id, result.ok, result.failed)
+            if job is not None and self._finish_job(job):
+                settled.add(job[0].req_id)
+        recving = set(output.finished_recving or ())
+        unexpected = recving - settled
+        for req_id in sorted(unexpected):
+            self.unexpected_reports += 1
+            log.warning(
+                "dropping unexpected receive completion for %s", req_id
+            )
+        output.finished_recving = settled or None
+        output.finished_sending = None
+
+    def has_pending_push_work(self) -> bool:
+        """Whether saves still pin blocks: vLLM keeps stepping until not."""
+        return any(o.job.kind is JobKind.SAVE for o in self._open.values())
+
+    # -- internals ------------------------------------------------------------
+
+    @property
+    def open_jobs(self) -> int:
+        """Jobs issued and not yet settled on every rank."""
+        return len(self._open)
+
+    def _hit_tokens(self, tracker: RequestTracker, num_tokens: int) -> int:
+        bs = self.block_size
+        asked = min(len(tracker.block_hashes), max(num_tokens - 1, 0) // bs)
+        key = (tracker.epoch, asked)
+        if tracker.lookup_key != key:
+            found = self._lookup.hit_blocks(tracker.block_hashes[:asked])
+            tracker.num_hit_tokens = min(max(found, 0), asked) * bs
+            tracker.lookup_key = key
+        return tracker.num_hit_tokens
+
+    def _mark_stored_prefix(self, tracker: RequestTracker) -> None:
+        tracker.num_saved_tokens = max(
+            tracker.num_saved_tokens, tracker.num_hit_tokens
+        )
+
+    def _preempt(self, req_ids: Any) -> list[tuple[str, int]]:
+        preempted = []
+        for req_id in sorted(req_ids):
+            tracker = self.registry.get(req_id)
+            if tracker is None:
+                self.machine.unknown(req_id, Event.PREEMPT)
+                continue
+            if self.registry.fire_on(tracker, Event.PREEMPT):
+                self.registry.fire_on(tracker, Event.RESET)
+                tracker.load_job = -1
+                preempted.append((req_id, tracker.epoch))
+        return preempted
+
+    def _new_job(
+        self,
+        kind: JobKind,
+        tracker: RequestTracker,
+        first: int,
+        last: int,
+        *,
+        pinned: list[Any] | None = None,
+    ) -> TransferJob:
+        job = TransferJob(
+            job_id=self._next_job,
+            kind=kind,
+            req_id=tracker.req_id,
+            epoch=tracker.epoch,
+            block_ids=tuple(tracker.block_ids[first:last]),
+            block_hashes=tuple(tracker.block_hashes[first:last]),
+            pinned=bool(pinned),
+        )
+        self._next_job += 1
+        self._open[job.job_id] = _OpenJob(job, pinned or [])
+        tracker.pending_jobs.add(job.job_id)
+        return job
+
+    def _issue_load(self, tracker: RequestTracker) -> TransferJob:
+        bs = self.block_size
+        first = tracker.num_local_tokens // bs
+        last = first + tracker.num_external_tokens // bs
+        job = self._new_job(JobKind.LOAD, tracker, first, last)
+        tracker.load_job = job.job_id
+        return job
+
+    def _maybe_save(
+        self, tracker: RequestTracker, computed: int, jobs: list[TransferJob]
+    ) -> None:
+        if not self.role.saves or tracker.state is not State.SAVING:
+            return
+        bs = self.block_size
+        last = (
+            min(
+                computed,
+                tracker.num_prompt_tokens,
+                len(tracker.block_hashes) * bs,
+            )
+            // bs
+        )
+        first = tracker.num_saved_tokens // bs
+        if last <= first or last > len(tracker.block_ids):
+            return
+        if not self.registry.fire_on(tracker, Event.SAVE_ISSUED):
+            return
+        pinned: list[Any] = []
+        if self._pool is not None:
+            pinned = [
+                self._pool.blocks[b] for b in tracker.block_ids[first:last]
+            ]
+            self._pool.touch(pinned)
+        jobs.append(
+            self._new_job(JobKind.SAVE, tracker, first, last, pinned=pinned)
+        )
+        tracker.num_saved_tokens = last * bs
+
+    def _settle(
+        self, job_id: int, ok: int, failed: int
+    ) -> tuple[TransferJob, bool] | None:
+        open_job = self._open.get(job_id)
+        if open_job is None:
+            self.unexpected_reports += 1
+            log.warning("report for unknown transfer job %d", job_id)
+            return None
+        open_job.ok += ok
+        open_job.failed += failed
+        if open_job.ok + open_job.failed < self.world_size:
+            return None
+        del self._open[job_id]
+        if open_job.pinned and self._pool is not None:
+            self._pool.free_blocks(open_job.pinned)
+        return open_job.job, open_job.failed == 0
+
+    def _finish_job(self, settled: tuple[TransferJob, bool]) -> bool:
+        """Fire the job's completion; True if it settles a receive."""
+        job, ok = settled
+        tracker = self.registry.get(job.req_id)
+        if tracker is not None and tracker.epoch == job.epoch:
+            tracker.pending_jobs.discard(job.job_id)
+        if job.kind is JobKind.SAVE:
+            event = Event.SAVE_DONE if ok else Event.SAVE_FAILED
+            self.registry.fire(job.req_id, event, epoch=job.epoch, known=False)
+            return False
+        event = Event.LOAD_DONE if ok else Event.LOAD_FAILED
+        if tracker is not None and tracker.load_job == job.job_id:
+            tracker.load_job = -1
+        return self.registry.fire(
+            job.req_id, event, epoch=job.epoch, known=False
+        )

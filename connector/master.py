@@ -22,6 +22,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,7 +34,7 @@ import urllib.error
 import urllib.request
 import weakref
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Self
+from typing import IO, TYPE_CHECKING, Final, Self
 
 import attrs
 
@@ -165,8 +166,9 @@ class EmbeddedMaster:
     - ``restart()`` brings the master back on the *same* ports (clients
       re-mount automatically, but a restarted master has lost every key).
     - Output lines go to the logger ``connector.master.<rpc_port>`` at
-      ``log_level`` from a daemon reader thread; the last lines are kept in
-      ``log_tail``.
+      ``log_level`` from a daemon reader thread (glog ``W``/``E``/``F``
+      lines are raised to WARNING/ERROR/CRITICAL if that is higher); the
+      last lines are kept in ``log_tail``.
 
     Args:
         lease_ttl_ms: ``--default_kv_lease_ttl`` (ms); ``None`` keeps 10 s.
@@ -518,6 +520,22 @@ class EmbeddedMaster:
         return rc
 
 
+_GLOG_LEVELS: Final = {
+    "W": logging.WARNING,
+    "E": logging.ERROR,
+    "F": logging.CRITICAL,
+}
+_GLOG_RE: Final = re.compile(r"^([IWEF])\d{4} ")
+
+
+def _line_level(line: str, level: int) -> int:
+    """``level``, raised to the glog severity of the line (W/E/F)."""
+    match = _GLOG_RE.match(line)
+    if match is None:
+        return level
+    return max(level, _GLOG_LEVELS.get(match.group(1), level))
+
+
 def _forward_lines(
     stream: IO[bytes],
     logger: logging.Logger,
@@ -531,4 +549,4 @@ def _forward_lines(
             if not line:
                 continue
             tail.append(line)
-            logger.log(level, "%s", line)
+            logger.log(_line_level(line, level), "%s", line)

@@ -58,7 +58,7 @@ class TestParseSize:
         """A bad size raises ConfigError carrying the key and value."""
         with pytest.raises(ConfigError) as info:
             parse_size("global_segment_size", bad)
-        assert "global_segment_size" == info.value.key
+        assert info.value.key == "global_segment_size"
         assert bad == info.value.value
         assert "global_segment_size" in str(info.value)
 
@@ -67,13 +67,13 @@ class TestFromMapping:
     def test_minimal_uses_vllm_defaults(self):
         """Only the two addresses are required; defaults follow vLLM."""
         config = StoreConfig.from_mapping(BASE)
-        assert "rdma" == config.protocol
+        assert config.protocol == "rdma"
         assert 4 * GiB == config.global_segment_size
         assert 4 * GiB == config.local_buffer_size
-        assert "" == config.namespace
-        assert 5000 == config.rpc_timeout_ms
-        assert "10.0.0.1" == config.master_host
-        assert 50051 == config.master_port
+        assert config.namespace == ""
+        assert config.rpc_timeout_ms == 5000
+        assert config.master_host == "10.0.0.1"
+        assert config.master_port == 50051
 
     def test_full_vllm_file_keys(self):
         """Every key of vLLM's MOONCAKE_CONFIG_PATH file is read."""
@@ -87,11 +87,11 @@ class TestFromMapping:
                 "local_hostname": "10.0.0.2",
             }
         )
-        assert "tcp" == config.protocol
-        assert "mlx5_0,mlx5_1" == config.device_name
+        assert config.protocol == "tcp"
+        assert config.device_name == "mlx5_0,mlx5_1"
         assert 512 * MiB == config.global_segment_size
         assert 64 * MiB == config.local_buffer_size
-        assert "10.0.0.2" == config.local_hostname
+        assert config.local_hostname == "10.0.0.2"
 
     @pytest.mark.parametrize("missing", sorted(BASE))
     def test_missing_required_key(self, missing):
@@ -152,7 +152,7 @@ class TestFromMapping:
             config = StoreConfig.from_mapping(
                 {**BASE, "colour": "blue", "enable_offload": True}
             )
-        assert "10.0.0.1:50051" == config.master_server_address
+        assert config.master_server_address == "10.0.0.1:50051"
         messages = " ".join(r.getMessage() for r in caplog.records)
         assert "'colour'" in messages
         assert "'enable_offload'" in messages
@@ -161,7 +161,7 @@ class TestFromMapping:
     def test_cache_prefix_is_the_namespace(self):
         """vLLM's ``cache_prefix`` sets ``namespace``."""
         config = StoreConfig.from_mapping({**BASE, "cache_prefix": "prod"})
-        assert "prod" == config.namespace
+        assert config.namespace == "prod"
 
     def test_conflicting_alias(self):
         """``cache_prefix`` and ``namespace`` must agree."""
@@ -180,7 +180,9 @@ class TestFromMapping:
             "redis://10.0.0.1:6379",
             "http://[::1]:8080/metadata",
         ):
-            config = StoreConfig.from_mapping({**BASE, "metadata_server": value})
+            config = StoreConfig.from_mapping(
+                {**BASE, "metadata_server": value}
+            )
             assert value == config.metadata_server
 
     def test_frozen_and_revalidated_by_evolve(self):
@@ -190,18 +192,18 @@ class TestFromMapping:
             config.protocol = "tcp"  # type: ignore[misc]
         with pytest.raises(ConfigError) as info:
             attrs.evolve(config, replica_num=0)
-        assert "replica_num" == info.value.key
+        assert info.value.key == "replica_num"
 
     def test_client_env(self):
         """The Mooncake environment comes from the timeouts and level."""
         config = StoreConfig.from_mapping(
             {**BASE, "rpc_timeout_ms": 1500, "log_level": "error"}
         )
-        assert {
+        assert config.client_env() == {
             "MC_RPC_TIMEOUT_MS": "1500",
             "MC_STORE_CLIENT_SETUP_RETRIES": "3",
             "MC_LOG_LEVEL": "ERROR",
-        } == config.client_env()
+        }
 
 
 class TestSources:
@@ -217,19 +219,19 @@ class TestSources:
         with caplog.at_level(logging.WARNING, logger="connector.config"):
             config = StoreConfig.from_extra_config(extra)
         assert not caplog.records
-        assert "team-a" == config.namespace
+        assert config.namespace == "team-a"
         assert GiB == config.global_segment_size
 
     def test_from_extra_config_rejects_non_dict(self):
         with pytest.raises(ConfigError) as info:
             StoreConfig.from_extra_config(["a"])  # type: ignore[arg-type]
-        assert "kv_connector_extra_config" == info.value.key
+        assert info.value.key == "kv_connector_extra_config"
 
     def test_from_file(self, tmp_path):
         """A vLLM-style JSON file loads."""
         path = write(tmp_path, {**BASE, "global_segment_size": "3.125GB"})
         config = StoreConfig.from_file(path)
-        assert 3355443200 == config.global_segment_size
+        assert config.global_segment_size == 3355443200
 
     def test_from_file_errors(self, tmp_path):
         """Missing, non-JSON and non-object files name the path key."""
@@ -240,14 +242,14 @@ class TestSources:
         ):
             with pytest.raises(ConfigError) as info:
                 StoreConfig.from_file(path)
-            assert "path" == info.value.key
+            assert info.value.key == "path"
             assert str(path) == info.value.value
 
     def test_from_file_bad_value_names_the_key(self, tmp_path):
         path = write(tmp_path, {**BASE, "local_buffer_size": "big"})
         with pytest.raises(ConfigError) as info:
             StoreConfig.from_file(path)
-        assert "local_buffer_size" == info.value.key
+        assert info.value.key == "local_buffer_size"
 
     def test_from_env(self, tmp_path):
         """MOONCAKE_CONFIG_PATH names the file; unset is a clear error."""
@@ -256,7 +258,7 @@ class TestSources:
         assert BASE["metadata_server"] == config.metadata_server
         with pytest.raises(ConfigError) as info:
             StoreConfig.from_env({})
-        assert "MOONCAKE_CONFIG_PATH" == info.value.key
+        assert info.value.key == "MOONCAKE_CONFIG_PATH"
 
     def test_from_vllm_merges_file_and_extra(self, tmp_path):
         """The extra config overrides the file, key by key."""
@@ -265,14 +267,14 @@ class TestSources:
             {"protocol": "tcp", "cache_prefix": "p", "load_async": False},
             {"MOONCAKE_CONFIG_PATH": str(path)},
         )
-        assert "tcp" == config.protocol
-        assert "p" == config.namespace
+        assert config.protocol == "tcp"
+        assert config.namespace == "p"
         assert BASE["master_server_address"] == config.master_server_address
 
     def test_from_vllm_needs_an_address_somewhere(self):
         with pytest.raises(ConfigError) as info:
             StoreConfig.from_vllm({"protocol": "tcp"}, {})
-        assert "master_server_address" == info.value.key
+        assert info.value.key == "master_server_address"
 
     def test_for_master(self):
         """A loopback TCP config for an embedded master, with overrides."""
@@ -281,15 +283,15 @@ class TestSources:
         )
         assert FakeMaster.rpc_address == config.master_server_address
         assert FakeMaster.metadata_server == config.metadata_server
-        assert "tcp" == config.protocol
+        assert config.protocol == "tcp"
         assert 64 * MiB == config.global_segment_size
-        assert "127.0.0.1" == config.local_hostname
-        assert "ERROR" == config.log_level
+        assert config.local_hostname == "127.0.0.1"
+        assert config.log_level == "ERROR"
 
     def test_for_master_rejects_unknown_fields(self):
         with pytest.raises(ConfigError) as info:
             StoreConfig.for_master(FakeMaster(), segment=1)
-        assert "segment" == info.value.key
+        assert info.value.key == "segment"
 
     def test_errors_pickle(self):
         """ConfigError survives pickling (crosses spawn boundaries)."""
@@ -297,11 +299,11 @@ class TestSources:
 
         err = ConfigError("protocol", "udp", "bad")
         copy = pickle.loads(pickle.dumps(err))  # noqa: S301
-        assert ("protocol", "udp", "bad") == (
+        assert (
             copy.key,
             copy.value,
             copy.reason,
-        )
+        ) == ("protocol", "udp", "bad")
         assert str(err) == str(copy)
 
 

@@ -79,13 +79,13 @@ class TestKey:
             scheme(tp_rank=r, tp_size=4, kv_replicas=2).key(HASH)
             for r in range(4)
         }
-        assert 2 == len(keys)
+        assert len(keys) == 2
         assert scheme(tp_rank=1, tp_size=4, kv_replicas=2).kv_shard == 0
         mla = {
             scheme(tp_rank=r, tp_size=8, kv_replicas=8).key(HASH)
             for r in range(8)
         }
-        assert 1 == len(mla)
+        assert len(mla) == 1
 
     def test_shard_count_in_key(self):
         """Rank 0 of TP=1 and rank 0 of TP=2 hold different bytes."""
@@ -97,9 +97,9 @@ class TestKey:
         honest = scheme(namespace="a", model="b@c")
         assert forged.key(HASH) != honest.key(HASH)
         for s in (forged, honest):
-            assert 8 == len(s.key(HASH).split(SEPARATOR))
+            assert len(s.key(HASH).split(SEPARATOR)) == 8
         sneaky = scheme(model="m@tp0of1@pp0of1@g0@x")
-        assert 8 == len(sneaky.key(HASH).split(SEPARATOR))
+        assert len(sneaky.key(HASH).split(SEPARATOR)) == 8
 
     def test_owns_and_prefix(self):
         s = scheme()
@@ -137,7 +137,7 @@ class TestValidation:
     def test_bad_hash(self, bad):
         with pytest.raises(KeySchemeError) as info:
             scheme().key(bad)
-        assert "block_hash" == info.value.component
+        assert info.value.component == "block_hash"
 
     @pytest.mark.parametrize(
         ("fields", "component"),

@@ -1,0 +1,552 @@
+"""An embedded ``mooncake_master`` for tests, demos and benchmarks.
+
+``EmbeddedMaster`` starts the master binary shipped in the Mooncake wheel on
+free loopback ports, waits until it serves requests, forwards its output to
+Python logging and always stops it again (context manager, explicit
+``stop()``, and a finalizer that also runs at interpreter exit).
+``kill()``, ``pause()``, ``resume()`` and ``restart()`` inject faults.
+
+Example::
+
+    with EmbeddedMaster(lease_ttl_ms=500) as master:
+        config = StoreConfig.for_master(master)
+        ...
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Final, Self
+
+import attrs
+
+from connector.errors import (
+    MasterBinaryNotFoundError,
+    MasterNotRunningError,
+    MasterStartError,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from types import TracebackType
+
+__all__ = ["EmbeddedMaster", "MasterPorts", "MasterState", "find_binary"]
+
+log = logging.getLogger(__name__)
+
+BINARY_NAME = "mooncake_master"
+HOST = "127.0.0.1"
+_LOG_TAIL_LINES = 50
+_POLL_S = 0.05
+
+
+class MasterState(enum.Enum):
+    """Lifecycle of the embedded master process, as seen by its owner."""
+
+    STOPPED = "stopped"
+    RUNNING = "running"
+    PAUSED = "paused"
+    KILLED = "killed"
+
+
+@attrs.frozen
+class MasterPorts:
+    """The three loopback ports a master listens on."""
+
+    rpc: int
+    http: int
+    metrics: int
+
+    @classmethod
+    def pick(cls) -> MasterPorts:
+        """Pick three distinct free loopback ports.
+
+        Binding ``127.0.0.1:0`` and closing races with other processes;
+        ``EmbeddedMaster.start`` retries with new ports when that happens.
+        """
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(3):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.bind((HOST, 0))
+                socks.append(s)
+            rpc, http, metrics = (s.getsockname()[1] for s in socks)
+        finally:
+            for s in socks:
+                s.close()
+        return cls(rpc=rpc, http=http, metrics=metrics)
+
+
+def find_binary() -> Path:
+    """Locate the ``mooncake_master`` executable.
+
+    Looks next to ``sys.executable`` (the venv's ``bin/``) first, then on
+    ``PATH``, then inside the installed ``mooncake`` package.
+
+    Raises:
+        MasterBinaryNotFoundError: none of those places has it.
+    """
+    searched: list[str] = []
+    beside = Path(sys.executable).parent / BINARY_NAME
+    searched.append(str(beside.parent))
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    searched.append("PATH")
+    on_path = shutil.which(BINARY_NAME)
+    if on_path is not None:
+        return Path(on_path)
+    spec = importlib.util.find_spec("mooncake")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / BINARY_NAME
+            searched.append(location)
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return candidate
+    raise MasterBinaryNotFoundError(tuple(searched))
+
+
+def _stop_process(
+    proc: subprocess.Popen[bytes], timeout_s: float
+) -> int | None:
+    """SIGTERM (and SIGCONT, in case it is stopped), then SIGKILL."""
+    if proc.poll() is not None:
+        return proc.returncode
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+        # NOTE(store): a SIGSTOPped process only acts on SIGTERM once
+        # continued, so always continue it.
+        proc.send_signal(signal.SIGCONT)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        log.warning(
+            "mooncake_master pid %d ignored SIGTERM for %.1f s; SIGKILL",
+            proc.pid,
+            timeout_s,
+        )
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        log.exception("mooncake_master pid %d survived SIGKILL", proc.pid)
+        return None
+
+
+class EmbeddedMaster:
+    """A ``mooncake_master`` child process on free loopback ports.
+
+    Contracts:
+
+    - ``start()`` returns only once ``/health`` reports ``service_ready``
+      and the RPC port accepts connections; it retries with new ports when
+      the process exits early (a port race), and raises
+      ``MasterStartError`` otherwise. The process never outlives the
+      interpreter: a ``weakref.finalize`` (run at exit too) stops it.
+    - ``stop()`` is idempotent and bounded: SIGTERM, then SIGKILL after
+      ``stop_timeout_s``.
+    - ``restart()`` brings the master back on the *same* ports (clients
+      re-mount automatically, but a restarted master has lost every key).
+    - Output lines go to the logger ``connector.master.<rpc_port>`` at
+      ``log_level`` from a daemon reader thread (glog ``W``/``E``/``F``
+      lines are raised to WARNING/ERROR/CRITICAL if that is higher); the
+      last lines are kept in ``log_tail``.
+
+    Args:
+        lease_ttl_ms: ``--default_kv_lease_ttl`` (ms); ``None`` keeps 10 s.
+        client_ttl_s: ``--client_ttl`` (s); ``None`` keeps 10 s.
+        eviction_high_watermark_ratio: passed through when not ``None``.
+        eviction_ratio: passed through when not ``None``.
+        extra_flags: more ``--flag=value`` arguments, appended verbatim.
+        log_level: level at which the master's output is logged.
+        binary: the executable; default ``find_binary()``.
+        start_timeout_s: readiness bound per start attempt.
+        stop_timeout_s: SIGTERM grace period before SIGKILL.
+        start_attempts: how many port picks ``start()`` tries.
+    """
+
+    def __init__(
+        self,
+        *,
+        lease_ttl_ms: int | None = None,
+        client_ttl_s: int | None = None,
+        eviction_high_watermark_ratio: float | None = None,
+        eviction_ratio: float | None = None,
+        extra_flags: Sequence[str] = (),
+        log_level: int = logging.DEBUG,
+        binary: Path | str | None = None,
+        start_timeout_s: float = 20.0,
+        stop_timeout_s: float = 5.0,
+        start_attempts: int = 3,
+    ) -> None:
+        self.lease_ttl_ms = lease_ttl_ms
+        self.client_ttl_s = client_ttl_s
+        self.eviction_high_watermark_ratio = eviction_high_watermark_ratio
+        self.eviction_ratio = eviction_ratio
+        self.extra_flags = tuple(extra_flags)
+        self.log_level = log_level
+        self.binary = Path(binary) if binary is not None else None
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.start_attempts = max(1, start_attempts)
+        self._ports: MasterPorts | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
+        self._finalizer: weakref.finalize[..., EmbeddedMaster] | None = None
+        self._state = MasterState.STOPPED
+        self._pids: list[int] = []
+        self._tail: collections.deque[str] = collections.deque(
+            maxlen=_LOG_TAIL_LINES
+        )
+        self._lock = threading.RLock()
+
+    # -- addresses ---------------------------------------------------------
+
+    @property
+    def ports(self) -> MasterPorts:
+        """The ports of the started master."""
+        if self._ports is None:
+            operation = "ports"
+            raise MasterNotRunningError(operation)
+        return self._ports
+
+    @property
+    def rpc_address(self) -> str:
+        """``"127.0.0.1:<rpc port>"``, the clients' master address."""
+        return f"{HOST}:{self.ports.rpc}"
+
+    @property
+    def metadata_server(self) -> str:
+        """``"http://127.0.0.1:<http port>/metadata"`` (transfer engine)."""
+        return f"http://{HOST}:{self.ports.http}/metadata"
+
+    @property
+    def metrics_url(self) -> str:
+        """``"http://127.0.0.1:<metrics port>/metrics"``."""
+        return f"http://{HOST}:{self.ports.metrics}/metrics"
+
+    @property
+    def health_url(self) -> str:
+        """``"http://127.0.0.1:<metrics port>/health"``."""
+        return f"http://{HOST}:{self.ports.metrics}/health"
+
+    @property
+    def pid(self) -> int | None:
+        """The process id, or ``None`` before the first start."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """Every process id this object spawned (restarts included)."""
+        return tuple(self._pids)
+
+    @property
+    def state(self) -> MasterState:
+        """What the owner last did to the process (or observed of it)."""
+        with self._lock:
+            if (
+                self._state in {MasterState.RUNNING, MasterState.PAUSED}
+                and self._proc is not None
+                and self._proc.poll() is not None
+            ):
+                self._state = MasterState.STOPPED
+            return self._state
+
+    @property
+    def running(self) -> bool:
+        """Whether the process is alive (paused counts as alive)."""
+        return self.state in {MasterState.RUNNING, MasterState.PAUSED}
+
+    @property
+    def log_tail(self) -> tuple[str, ...]:
+        """The master's last output lines (at most 50)."""
+        return tuple(self._tail)
+
+    def command(self) -> list[str]:
+        """The argv the master is started with (needs ports)."""
+        ports = self.ports
+        binary = self.binary if self.binary is not None else find_binary()
+        argv = [
+            str(binary),
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_host={HOST}",
+            f"--http_metadata_server_port={ports.http}",
+            f"--rpc_address={HOST}",
+            f"--rpc_port={ports.rpc}",
+            f"--metrics_host={HOST}",
+            f"--metrics_port={ports.metrics}",
+            "--enable_metric_reporting=false",
+        ]
+        if self.lease_ttl_ms is not None:
+            argv.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
+        if self.client_ttl_s is not None:
+            argv.append(f"--client_ttl={self.client_ttl_s}")
+        if self.eviction_high_watermark_ratio is not None:
+            argv.append(
+                "--eviction_high_watermark_ratio="
+                f"{self.eviction_high_watermark_ratio}"
+            )
+        if self.eviction_ratio is not None:
+            argv.append(f"--eviction_ratio={self.eviction_ratio}")
+        argv.extend(self.extra_flags)
+        return argv
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def start(self) -> Self:
+        """Start the master on fresh free ports and wait until it is ready.
+
+        Returns:
+            ``self``, so ``master = EmbeddedMaster().start()`` works.
+
+        Raises:
+            MasterStartError: every attempt failed.
+            MasterBinaryNotFoundError: no executable.
+        """
+        with self._lock:
+            if self.running:
+                return self
+            last: MasterStartError | None = None
+            for attempt in range(1, self.start_attempts + 1):
+                self._ports = MasterPorts.pick()
+                try:
+                    self._spawn_and_wait(attempt)
+                except MasterStartError as exc:
+                    last = exc
+                    log.warning(
+                        "mooncake_master start attempt %d/%d failed: %s",
+                        attempt,
+                        self.start_attempts,
+                        exc.reason,
+                    )
+                    continue
+                return self
+            self._ports = None
+            if last is None:  # pragma: no cover - start_attempts >= 1
+                msg = "no start attempt was made"
+                raise MasterStartError(msg, None, 0, ())
+            raise last
+
+    def restart(self) -> Self:
+        """Stop the master if it runs, then start it again on the same ports.
+
+        Raises:
+            MasterNotRunningError: it was never started (no ports to reuse).
+            MasterStartError: it did not come back within the bound.
+        """
+        with self._lock:
+            if self._ports is None:
+                operation = "restart"
+                raise MasterNotRunningError(operation)
+            self._shutdown()
+            deadline = time.monotonic() + self.start_timeout_s
+            attempt = 0
+            while True:
+                attempt += 1
+                try:
+                    self._spawn_and_wait(attempt)
+                except MasterStartError:
+                    # NOTE(store): the old process's sockets may linger for
+                    # a moment; the ports are ours, so keep trying them.
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.2)
+                    continue
+                return self
+
+    def stop(self) -> int | None:
+        """Stop the master (SIGTERM, then SIGKILL); idempotent and bounded.
+
+        Returns:
+            The exit status, or ``None`` if it never ran.
+        """
+        with self._lock:
+            rc = self._shutdown()
+            self._state = MasterState.STOPPED
+            return rc
+
+    def kill(self) -> None:
+        """SIGKILL the master now, as a crash would (fault injection)."""
+        with self._lock:
+            proc = self._require_proc("kill")
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(timeout=self.stop_timeout_s)
+            self._state = MasterState.KILLED
+
+    def pause(self) -> None:
+        """SIGSTOP the master: it keeps its sockets but answers nothing."""
+        with self._lock:
+            self._require_proc("pause").send_signal(signal.SIGSTOP)
+            self._state = MasterState.PAUSED
+
+    def resume(self) -> None:
+        """SIGCONT a paused master."""
+        with self._lock:
+            self._require_proc("resume").send_signal(signal.SIGCONT)
+            self._state = MasterState.RUNNING
+
+    def is_ready(self) -> bool:
+        """One readiness probe: ``/health`` ready and RPC port accepting."""
+        try:
+            with urllib.request.urlopen(  # noqa: S310 - fixed http URL
+                self.health_url, timeout=0.5
+            ) as resp:
+                body = json.loads(resp.read().decode("utf-8", "replace"))
+        except (OSError, ValueError):
+            return False
+        if not isinstance(body, dict) or body.get("service_ready") is not True:
+            return False
+        try:
+            with socket.create_connection((HOST, self.ports.rpc), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        ports = self._ports
+        where = "no ports" if ports is None else self.rpc_address
+        return f"<EmbeddedMaster {self.state.value} {where} pid={self.pid}>"
+
+    # -- internals ---------------------------------------------------------
+
+    def _require_proc(self, operation: str) -> subprocess.Popen[bytes]:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            raise MasterNotRunningError(operation)
+        return proc
+
+    def _spawn_and_wait(self, attempt: int) -> None:
+        argv = self.command()
+        env = dict(os.environ)
+        env.setdefault("GLOG_minloglevel", "1")
+        log.debug("starting mooncake_master: %s", " ".join(argv))
+        self._tail.clear()
+        proc = subprocess.Popen(  # noqa: S603 - argv built from our flags
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self._proc = proc
+        self._pids.append(proc.pid)
+        self._finalizer = weakref.finalize(
+            self, _stop_process, proc, self.stop_timeout_s
+        )
+        self._reader = self._start_reader(proc)
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            rc = proc.poll()
+            if rc is not None:
+                self._shutdown()
+                reason = f"exited with status {rc} before becoming ready"
+                raise MasterStartError(reason, rc, attempt, self.log_tail)
+            if self.is_ready():
+                self._state = MasterState.RUNNING
+                log.info(
+                    "mooncake_master pid %d ready at %s (metadata %s)",
+                    proc.pid,
+                    self.rpc_address,
+                    self.metadata_server,
+                )
+                return
+            if time.monotonic() >= deadline:
+                self._shutdown()
+                reason = f"not ready within {self.start_timeout_s:.1f} s"
+                raise MasterStartError(reason, None, attempt, self.log_tail)
+            time.sleep(_POLL_S)
+
+    def _start_reader(self, proc: subprocess.Popen[bytes]) -> threading.Thread:
+        stream = proc.stdout
+        if stream is None:  # pragma: no cover - Popen got stdout=PIPE
+            msg = "no stdout pipe"
+            raise MasterStartError(msg, None, 0, ())
+        name = f"{__name__}.{self.ports.rpc}"
+        thread = threading.Thread(
+            target=_forward_lines,
+            args=(stream, logging.getLogger(name), self.log_level, self._tail),
+            name=f"mooncake-master-log-{proc.pid}",
+            daemon=True,
+        )
+        thread.start()
+        return thread
+
+    def _shutdown(self) -> int | None:
+        proc, self._proc = self._proc, None
+        finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+        if proc is None:
+            return None
+        rc = _stop_process(proc, self.stop_timeout_s)
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.join(timeout=1.0)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        self._state = MasterState.STOPPED
+        log.debug("mooncake_master pid %d exited with %s", proc.pid, rc)
+        return rc
+
+
+_GLOG_LEVELS: Final = {
+    "W": logging.WARNING,
+    "E": logging.ERROR,
+    "F": logging.CRITICAL,
+}
+_GLOG_RE: Final = re.compile(r"^([IWEF])\d{4} ")
+
+
+def _line_level(line: str, level: int) -> int:
+    """``level``, raised to the glog severity of the line (W/E/F)."""
+    match = _GLOG_RE.match(line)
+    if match is None:
+        return level
+    return max(level, _GLOG_LEVELS.get(match.group(1), level))
+
+
+def _forward_lines(
+    stream: IO[bytes],
+    logger: logging.Logger,
+    level: int,
+    tail: collections.deque[str],
+) -> None:
+    """Reader thread body: log every output line until EOF."""
+    with contextlib.suppress(ValueError, OSError):
+        for raw in stream:
+            line = raw.decode("utf-8", "replace").rstrip()
+            if not line:
+                continue
+            tail.append(line)
+            logger.log(_line_level(line, level), "%s", line)

@@ -1,0 +1,175 @@
+"""Shared fixtures: an embedded ``mooncake_master`` and store helpers.
+
+The session master runs with a 500 ms lease TTL and a 2 s client TTL so
+removal and eviction are quick. Tests that kill or pause a master, or need
+a tiny store, start their own through ``start_master`` (stopped at the end
+of the test or module that asked). No test assumes fixed ports, and the
+session ends by checking that no master this run started is still alive.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+# NOTE(store): Mooncake reads MC_LOG_LEVEL at the first setup() in the
+# process; set it before any client exists.
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+from connector.config import MiB, StoreConfig
+from connector.errors import MasterBinaryNotFoundError
+from connector.master import EmbeddedMaster, find_binary
+from connector.store import Regions, StoreClient
+
+_MASTERS: list[EmbeddedMaster] = []
+
+
+def _pgrep() -> set[int]:
+    if shutil.which("pgrep") is None:
+        return set()
+    out = subprocess.run(
+        ["pgrep", "-x", "mooncake_master"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    return {int(pid) for pid in out.split()}
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_master_left_behind():
+    """After the whole run, no ``mooncake_master`` we started survives."""
+    before = _pgrep()
+    yield
+    spawned = {pid for master in _MASTERS for pid in master.pids}
+    alive = {pid for pid in spawned if _alive(pid)}
+    assert not alive, f"mooncake_master left running: {sorted(alive)}"
+    # Other suites on the machine may run masters; only ours are checked.
+    assert not (_pgrep() - before) & spawned
+
+
+@pytest.fixture(scope="session")
+def master_binary() -> Path:
+    try:
+        return find_binary()
+    except MasterBinaryNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+class MasterPool:
+    """Starts masters and stops every one of them at teardown."""
+
+    def __init__(self) -> None:
+        self.masters: list[EmbeddedMaster] = []
+
+    def start(self, **kwargs) -> EmbeddedMaster:
+        master = EmbeddedMaster(**kwargs)
+        self.masters.append(master)
+        _MASTERS.append(master)
+        return master.start()
+
+    def stop_all(self) -> None:
+        for master in self.masters:
+            master.stop()
+
+
+@pytest.fixture
+def start_master(master_binary):
+    """Test-scoped factory: ``start_master(lease_ttl_ms=...)``."""
+    pool = MasterPool()
+    yield pool.start
+    pool.stop_all()
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(master_binary):
+    """The session's shared master (lease TTL 500 ms, client TTL 2 s)."""
+    pool = MasterPool()
+    master = pool.start(lease_ttl_ms=500, client_ttl_s=2)
+    yield master
+    pool.stop_all()
+
+
+@pytest.fixture(scope="session")
+def store_config(mooncake_master) -> StoreConfig:
+    return StoreConfig.for_master(
+        mooncake_master,
+        global_segment_size=256 * MiB,
+        namespace="tests",
+    )
+
+
+@pytest.fixture(scope="session")
+def store_client(store_config):
+    """A session-wide client with a 256 MiB segment (regions checked)."""
+    client = StoreClient.open(store_config, check_regions=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def unique() -> str:
+    """A fresh token for namespaces and hashes, so tests never collide."""
+    return uuid.uuid4().hex[:12]
+
+
+class KVBlocks:
+    """A registered CPU tensor of ``n`` KV blocks of ``block_bytes`` each."""
+
+    def __init__(self, client, n: int, block_bytes: int, *, seed: int = 0):
+        import torch  # noqa: PLC0415
+
+        gen = torch.Generator().manual_seed(seed)
+        self.client = client
+        self.block_bytes = block_bytes
+        self.tensor = torch.randint(
+            0, 256, (n, block_bytes), dtype=torch.uint8, generator=gen
+        )
+        client.register_tensor(self.tensor)
+
+    @property
+    def base(self) -> int:
+        return self.tensor.data_ptr()
+
+    def regions(self, ids) -> Regions:
+        return Regions.blocks(self.base, self.block_bytes, list(ids))
+
+    def zero(self) -> None:
+        self.tensor.zero_()
+
+    def release(self) -> None:
+        if not self.client.closed:
+            self.client.unregister(self.base)
+
+
+@pytest.fixture
+def kv_blocks():
+    """Factory ``kv_blocks(client, n, block_bytes, seed=0)``.
+
+    The tensors are unregistered when the test ends, so freed memory never
+    stays registered (its addresses get reused by later allocations).
+    """
+    made: list[KVBlocks] = []
+
+    def make(client, n: int, block_bytes: int, *, seed: int = 0) -> KVBlocks:
+        blocks = KVBlocks(client, n, block_bytes, seed=seed)
+        made.append(blocks)
+        return blocks
+
+    yield make
+    for blocks in made:
+        blocks.release()

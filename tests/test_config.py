@@ -1,0 +1,313 @@
+"""StoreConfig: parsing, validation and the vLLM-compatible sources."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import attrs
+import pytest
+
+from connector.config import GiB, KiB, MiB, StoreConfig, parse_size
+from connector.errors import ConfigError
+
+BASE = {
+    "master_server_address": "10.0.0.1:50051",
+    "metadata_server": "http://10.0.0.1:8080/metadata",
+}
+
+
+class FakeMaster:
+    rpc_address = "127.0.0.1:40001"
+    metadata_server = "http://127.0.0.1:40002/metadata"
+
+
+def write(tmp_path, data, name="mooncake.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return path
+
+
+class TestParseSize:
+    @pytest.mark.parametrize(
+        ("text", "expected"),
+        [
+            (0, 0),
+            (1048576, MiB),
+            ("1024", 1024),
+            ("4GB", 4 * GiB),
+            ("4gb", 4 * GiB),
+            ("4GiB", 4 * GiB),
+            ("512MiB", 512 * MiB),
+            ("512 MB", 512 * MiB),
+            ("64m", 64 * MiB),
+            ("3.125GB", 3355443200),
+            ("1.5KB", 1536),
+            ("7b", 7),
+            (2.0 * MiB, 2 * MiB),
+        ],
+    )
+    def test_accepted(self, text, expected):
+        """Ints and "4GB"-style strings parse to bytes (binary units)."""
+        assert expected == parse_size("k", text)
+
+    @pytest.mark.parametrize(
+        "bad", ["", "GB", "4 XB", "-1", "1.3b", "four", True, None, [1], -5]
+    )
+    def test_rejected_names_the_key(self, bad):
+        """A bad size raises ConfigError carrying the key and value."""
+        with pytest.raises(ConfigError) as info:
+            parse_size("global_segment_size", bad)
+        assert info.value.key == "global_segment_size"
+        assert bad == info.value.value
+        assert "global_segment_size" in str(info.value)
+
+
+class TestFromMapping:
+    def test_minimal_uses_vllm_defaults(self):
+        """Only the two addresses are required; defaults follow vLLM."""
+        config = StoreConfig.from_mapping(BASE)
+        assert config.protocol == "rdma"
+        assert 4 * GiB == config.global_segment_size
+        assert 4 * GiB == config.local_buffer_size
+        assert config.namespace == ""
+        assert config.rpc_timeout_ms == 5000
+        assert config.master_host == "10.0.0.1"
+        assert config.master_port == 50051
+
+    def test_full_vllm_file_keys(self):
+        """Every key of vLLM's MOONCAKE_CONFIG_PATH file is read."""
+        config = StoreConfig.from_mapping(
+            {
+                **BASE,
+                "protocol": "tcp",
+                "device_name": "mlx5_0,mlx5_1",
+                "global_segment_size": "512MiB",
+                "local_buffer_size": "64MB",
+                "local_hostname": "10.0.0.2",
+            }
+        )
+        assert config.protocol == "tcp"
+        assert config.device_name == "mlx5_0,mlx5_1"
+        assert 512 * MiB == config.global_segment_size
+        assert 64 * MiB == config.local_buffer_size
+        assert config.local_hostname == "10.0.0.2"
+
+    @pytest.mark.parametrize("missing", sorted(BASE))
+    def test_missing_required_key(self, missing):
+        """A missing address is an error naming it."""
+        values = {k: v for k, v in BASE.items() if k != missing}
+        with pytest.raises(ConfigError, match=missing) as info:
+            StoreConfig.from_mapping(values)
+        assert missing == info.value.key
+        assert info.value.value is None
+
+    @pytest.mark.parametrize(
+        ("key", "value"),
+        [
+            ("master_server_address", "10.0.0.1"),
+            ("master_server_address", "10.0.0.1:0"),
+            ("master_server_address", "10.0.0.1:99999"),
+            ("master_server_address", "http://10.0.0.1:50051"),
+            ("master_server_address", ":50051"),
+            ("master_server_address", 50051),
+            ("metadata_server", ""),
+            ("metadata_server", "ftp://host/metadata"),
+            ("metadata_server", "http:///metadata"),
+            ("metadata_server", "justahost"),
+            ("protocol", "udp"),
+            ("protocol", 1),
+            ("device_name", 0),
+            ("global_segment_size", "lots"),
+            ("global_segment_size", 512),
+            ("global_segment_size", "2TiB"),
+            ("local_buffer_size", -1),
+            ("local_buffer_size", "2TiB"),
+            ("local_hostname", "host:notaport"),
+            ("namespace", 7),
+            ("namespace", "x" * 200),
+            ("namespace", "tab\there"),
+            ("cache_prefix", "line\nbreak"),
+            ("rpc_timeout_ms", 0),
+            ("rpc_timeout_ms", "2000"),
+            ("rpc_timeout_ms", 2.5),
+            ("setup_retries", 0),
+            ("breaker_probe_ms", -1),
+            ("close_timeout_ms", True),
+            ("replica_num", 0),
+            ("log_level", "LOUD"),
+        ],
+    )
+    def test_each_bad_value_names_its_key(self, key, value):
+        """Each bad value raises ConfigError with that key and value."""
+        with pytest.raises(ConfigError) as info:
+            StoreConfig.from_mapping({**BASE, key: value})
+        assert key == info.value.key
+        assert value == info.value.value or isinstance(value, str)
+        assert repr(key) in str(info.value)
+
+    def test_unknown_keys_are_warned_not_fatal(self, caplog):
+        """Unknown and unsupported keys are logged, the rest still loads."""
+        with caplog.at_level(logging.WARNING, logger="connector.config"):
+            config = StoreConfig.from_mapping(
+                {**BASE, "colour": "blue", "enable_offload": True}
+            )
+        assert config.master_server_address == "10.0.0.1:50051"
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert "'colour'" in messages
+        assert "'enable_offload'" in messages
+        assert "not supported" in messages
+
+    def test_cache_prefix_is_the_namespace(self):
+        """vLLM's ``cache_prefix`` sets ``namespace``."""
+        config = StoreConfig.from_mapping({**BASE, "cache_prefix": "prod"})
+        assert config.namespace == "prod"
+
+    def test_conflicting_alias(self):
+        """``cache_prefix`` and ``namespace`` must agree."""
+        with pytest.raises(ConfigError) as info:
+            StoreConfig.from_mapping(
+                {**BASE, "namespace": "a", "cache_prefix": "b"}
+            )
+        assert info.value.key in {"namespace", "cache_prefix"}
+
+    def test_metadata_server_forms(self):
+        """P2PHANDSHAKE, etcd host:port and URLs are accepted."""
+        for value in (
+            "P2PHANDSHAKE",
+            "10.0.0.1:2379",
+            "etcd://10.0.0.1:2379",
+            "redis://10.0.0.1:6379",
+            "http://[::1]:8080/metadata",
+        ):
+            config = StoreConfig.from_mapping(
+                {**BASE, "metadata_server": value}
+            )
+            assert value == config.metadata_server
+
+    def test_frozen_and_revalidated_by_evolve(self):
+        """Configs are immutable; ``attrs.evolve`` validates again."""
+        config = StoreConfig.from_mapping(BASE)
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            config.protocol = "tcp"  # type: ignore[misc]
+        with pytest.raises(ConfigError) as info:
+            attrs.evolve(config, replica_num=0)
+        assert info.value.key == "replica_num"
+
+    def test_client_env(self):
+        """The Mooncake environment comes from the timeouts and level."""
+        config = StoreConfig.from_mapping(
+            {**BASE, "rpc_timeout_ms": 1500, "log_level": "error"}
+        )
+        assert config.client_env() == {
+            "MC_RPC_TIMEOUT_MS": "1500",
+            "MC_STORE_CLIENT_SETUP_RETRIES": "3",
+            "MC_LOG_LEVEL": "ERROR",
+        }
+
+
+class TestSources:
+    def test_from_extra_config_ignores_connector_keys(self, caplog):
+        """Connector keys in extra config are silent; store keys apply."""
+        extra = {
+            **BASE,
+            "load_async": True,
+            "lookup_rpc_port": 0,
+            "cache_prefix": "team-a",
+            "global_segment_size": "1GB",
+        }
+        with caplog.at_level(logging.WARNING, logger="connector.config"):
+            config = StoreConfig.from_extra_config(extra)
+        assert not caplog.records
+        assert config.namespace == "team-a"
+        assert GiB == config.global_segment_size
+
+    def test_from_extra_config_rejects_non_dict(self):
+        with pytest.raises(ConfigError) as info:
+            StoreConfig.from_extra_config(["a"])  # type: ignore[arg-type]
+        assert info.value.key == "kv_connector_extra_config"
+
+    def test_from_file(self, tmp_path):
+        """A vLLM-style JSON file loads."""
+        path = write(tmp_path, {**BASE, "global_segment_size": "3.125GB"})
+        config = StoreConfig.from_file(path)
+        assert config.global_segment_size == 3355443200
+
+    def test_from_file_errors(self, tmp_path):
+        """Missing, non-JSON and non-object files name the path key."""
+        for path in (
+            tmp_path / "absent.json",
+            write(tmp_path, "{not json", "broken.json"),
+            write(tmp_path, [1, 2], "list.json"),
+        ):
+            with pytest.raises(ConfigError) as info:
+                StoreConfig.from_file(path)
+            assert info.value.key == "path"
+            assert str(path) == info.value.value
+
+    def test_from_file_bad_value_names_the_key(self, tmp_path):
+        path = write(tmp_path, {**BASE, "local_buffer_size": "big"})
+        with pytest.raises(ConfigError) as info:
+            StoreConfig.from_file(path)
+        assert info.value.key == "local_buffer_size"
+
+    def test_from_env(self, tmp_path):
+        """MOONCAKE_CONFIG_PATH names the file; unset is a clear error."""
+        path = write(tmp_path, BASE)
+        config = StoreConfig.from_env({"MOONCAKE_CONFIG_PATH": str(path)})
+        assert BASE["metadata_server"] == config.metadata_server
+        with pytest.raises(ConfigError) as info:
+            StoreConfig.from_env({})
+        assert info.value.key == "MOONCAKE_CONFIG_PATH"
+
+    def test_from_vllm_merges_file_and_extra(self, tmp_path):
+        """The extra config overrides the file, key by key."""
+        path = write(tmp_path, {**BASE, "protocol": "rdma"})
+        config = StoreConfig.from_vllm(
+            {"protocol": "tcp", "cache_prefix": "p", "load_async": False},
+            {"MOONCAKE_CONFIG_PATH": str(path)},
+        )
+        assert config.protocol == "tcp"
+        assert config.namespace == "p"
+        assert BASE["master_server_address"] == config.master_server_address
+
+    def test_from_vllm_needs_an_address_somewhere(self):
+        with pytest.raises(ConfigError) as info:
+            StoreConfig.from_vllm({"protocol": "tcp"}, {})
+        assert info.value.key == "master_server_address"
+
+    def test_for_master(self):
+        """A loopback TCP config for an embedded master, with overrides."""
+        config = StoreConfig.for_master(
+            FakeMaster(), global_segment_size="64MiB", namespace="n"
+        )
+        assert FakeMaster.rpc_address == config.master_server_address
+        assert FakeMaster.metadata_server == config.metadata_server
+        assert config.protocol == "tcp"
+        assert 64 * MiB == config.global_segment_size
+        assert config.local_hostname == "127.0.0.1"
+        assert config.log_level == "ERROR"
+
+    def test_for_master_rejects_unknown_fields(self):
+        with pytest.raises(ConfigError) as info:
+            StoreConfig.for_master(FakeMaster(), segment=1)
+        assert info.value.key == "segment"
+
+    def test_errors_pickle(self):
+        """ConfigError survives pickling (crosses spawn boundaries)."""
+        import pickle  # noqa: PLC0415
+
+        err = ConfigError("protocol", "udp", "bad")
+        copy = pickle.loads(pickle.dumps(err))  # noqa: S301
+        assert (
+            copy.key,
+            copy.value,
+            copy.reason,
+        ) == ("protocol", "udp", "bad")
+        assert str(err) == str(copy)
+
+
+def test_size_units_are_binary():
+    """Like vLLM, ``GB`` means GiB."""
+    assert parse_size("k", "1GB") == parse_size("k", "1GiB") == GiB
+    assert parse_size("k", "1KB") == KiB

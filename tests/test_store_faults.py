@@ -1,0 +1,164 @@
+"""Master failures: typed outcomes within bounds, then recovery."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from connector.config import MiB, StoreConfig
+from connector.errors import StoreUnavailable
+from connector.keys import KeyScheme, Layout
+from connector.store import (
+    DEAD_MASTER_STALL_S,
+    BreakerState,
+    Outcome,
+    StoreClient,
+)
+
+pytestmark = pytest.mark.mooncake
+
+BLOCK = 256 * 1024
+RPC_TIMEOUT_MS = 1000
+SLACK_S = 1.0
+OUTAGE = {Outcome.MASTER_UNREACHABLE, Outcome.TIMEOUT}
+
+
+@pytest.fixture
+def fault_env(start_master, kv_blocks):
+    """A private master and client (64 MiB), with 8 stored blocks."""
+    master = start_master(lease_ttl_ms=500)
+    config = StoreConfig.for_master(
+        master,
+        global_segment_size=64 * MiB,
+        rpc_timeout_ms=RPC_TIMEOUT_MS,
+        breaker_probe_ms=200,
+        close_timeout_ms=4000,
+    )
+    client = StoreClient.open(config)
+    src = kv_blocks(client, 8, BLOCK, seed=99)
+    keys = KeyScheme(
+        namespace="faults",
+        model="m",
+        tp_rank=0,
+        tp_size=1,
+        layout=Layout("uint8", 16, BLOCK),
+    ).keys(range(8))
+    assert client.put(keys, src.regions(range(8))).ok
+    yield master, client, src, keys
+    client.close()
+
+
+def timed(fn, *args):
+    started = time.monotonic()
+    result = fn(*args)
+    return result, time.monotonic() - started
+
+
+def wait_for(predicate, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_killed_master_then_restart(fault_env, kv_blocks):
+    """SIGKILL: MASTER_UNREACHABLE within the stall bound, no hang, and
+    recovery after a restart on the same ports (old keys are gone).
+    """
+    master, client, src, keys = fault_env
+    # NOTE(store): registering memory needs the metadata server, which
+    # lives in the master: allocate destinations before the fault.
+    out = kv_blocks(client, 8, BLOCK)
+    rpc_address = master.rpc_address
+    master.kill()
+
+    bound = DEAD_MASTER_STALL_S + SLACK_S
+    slow = 0
+    started = time.monotonic()
+    for _ in range(30):
+        result, elapsed = timed(client.exists, keys)
+        assert elapsed < bound, f"{elapsed:.2f} s > {bound} s"
+        slow += elapsed > 0.5
+        if set(result) <= OUTAGE and result.short_circuited:
+            break
+    assert list(result) == [Outcome.MASTER_UNREACHABLE] * 8
+    assert slow <= 1, "a dead master must cost at most one stall"
+    assert time.monotonic() - started < bound + 1
+
+    # Every further call is answered at once, puts and gets included.
+    for call in (
+        lambda: client.exists(keys),
+        lambda: client.put(keys, src.regions(range(8))),
+        lambda: client.get(keys, out.regions(range(8))),
+    ):
+        result, elapsed = timed(call)
+        assert elapsed < 0.05, f"{elapsed:.3f} s"
+        assert {Outcome.MASTER_UNREACHABLE} == set(result)
+        assert result.short_circuited
+    assert not client.healthy()
+    assert BreakerState.OPEN is client.breaker.state
+    assert client.stats.breaker_trips >= 1
+
+    master.restart()
+    assert rpc_address == master.rpc_address
+    # The client re-mounts by itself; the breaker half-opens and closes.
+    fresh = keys[:4]
+    put = wait_for(
+        lambda: client.put(fresh, src.regions(range(4))).ok, timeout_s=8.0
+    )
+    assert put, "no successful put within 8 s of the restart"
+    assert client.healthy()
+    lookup = client.exists(keys)
+    assert list(lookup) == [Outcome.HIT] * 4 + [Outcome.MISS] * 4
+    got = client.get(fresh, out.regions(range(4)))
+    assert got.ok
+    assert torch.equal(src.tensor[:4], out.tensor[:4])
+
+
+def test_paused_master_then_resume(fault_env, kv_blocks):
+    """SIGSTOP: TIMEOUT/UNREACHABLE within the RPC bound; data intact
+    after SIGCONT.
+    """
+    master, client, src, keys = fault_env
+    out = kv_blocks(client, 8, BLOCK)
+    master.pause()
+
+    bound = RPC_TIMEOUT_MS / 1000 + SLACK_S
+    slow = 0
+    for _ in range(30):
+        result, elapsed = timed(client.exists, keys)
+        assert elapsed < bound, f"{elapsed:.2f} s > {bound} s"
+        slow += elapsed > 0.5
+        if set(result) <= OUTAGE:
+            break
+    assert set(result) <= OUTAGE, list(result)
+    assert slow <= 1
+    # Afterwards: answered at once (the breaker is open).
+    result, elapsed = timed(client.get, keys, out.regions(range(8)))
+    assert elapsed < 0.05, f"{elapsed:.3f} s"
+    assert {Outcome.MASTER_UNREACHABLE} == set(result)
+
+    master.resume()
+    hit = wait_for(lambda: client.exists(keys).ok, timeout_s=5.0)
+    assert hit, "keys not visible within 5 s of SIGCONT"
+    got = client.get(keys, out.regions(range(8)))
+    assert list(got) == [Outcome.HIT] * 8
+    assert torch.equal(src.tensor, out.tensor)
+
+
+def test_open_against_dead_master_fails_fast(start_master):
+    """open() raises StoreUnavailable naming the address, quickly."""
+    master = start_master()
+    config = StoreConfig.for_master(master, global_segment_size=16 * MiB)
+    master.stop()
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable) as info:
+        StoreClient.open(config)
+    assert time.monotonic() - started < 3.0
+    assert config.master_server_address == info.value.address
+    assert "connect" in info.value.reason

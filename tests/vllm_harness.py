@@ -1,0 +1,1066 @@
+"""Drive a KV connector through vLLM 0.33's real scheduler on a CPU.
+
+`Harness` builds vLLM's real `Scheduler` (or `AsyncScheduler`), which
+creates the SCHEDULER-role connector through vLLM's `KVConnectorFactory`
+from `kv_connector_module_path`, and a WORKER-role instance of the same
+class.
+It then plays the model runner: each step it calls the worker hooks in
+vLLM 0.33's order, writes KV for the scheduled tokens into per-layer CPU
+tensors, samples tokens, and feeds a `ModelRunnerOutput` back to
+`update_from_output`.
+No weights, tokenizer, GPU or network are involved.
+
+KV content and sampled tokens are pure functions of the token prefix:
+position `p` of a request holds, in layer `l`, a vector derived from
+`hash(all_token_ids[:p + 1])` and `l`, and the token sampled after a
+prefix is derived from the prefix's hash.
+So identical prompts give identical KV and outputs in any instance, and
+after every step the harness checks that each block covering a request's
+computed tokens holds exactly what recomputation would write, whether it
+was computed here, hit in vLLM's prefix cache, or loaded by the connector.
+It also checks block-pool reference counts every step, and at the end
+that every request finished and every block is back in the free pool.
+
+Checked failures are collected in `Harness.failures`; `Harness.check()`
+(called by `run_until_idle`) raises `HarnessError` listing them.
+An exception from vLLM itself is wrapped in `HarnessError` and re-raised.
+
+This module imports vLLM lazily, so it imports (and the rest of the suite
+runs) where vLLM is absent; tests that use it call
+`pytest.importorskip("vllm")`.
+
+Facts about vLLM 0.33.0 that the harness relies on (checked against the
+installed source, see the project notes in `CHANGELOG.md`):
+
+- `vllm_config.use_v2_model_runner` reads `VLLM_USE_V2_MODEL_RUNNER` on
+  every access (the env cache is enabled only by the engine core); with the
+  official wheel on CPU the platform is "unspecified" and the default is
+  the v2 runner.
+  Under v2 a resumed request arrives in `scheduled_new_reqs` with its whole
+  block table; under v1 it arrives in `scheduled_cached_reqs` with its id in
+  `resumed_req_ids` and `new_block_ids` replacing the table.
+- Both runners bind metadata, then call `start_load_kv` before the forward
+  only when `scheduler_output.has_sync_kv_loads`, otherwise after it; they
+  collect completions with `get_transfer_results` (whose default wraps
+  `get_finished`).
+  Only the v1 runner's `execute_model` calls `handle_preemptions` first;
+  the v2 runner calls it in `pre_forward`, also first, and adds
+  `finish_forward()` after the forward.
+- With async scheduling the engine core keeps a batch queue of
+  `vllm_config.max_concurrent_batches` (2 here) steps: step N+1 is
+  scheduled (and executed) before `update_from_output` of step N.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Self
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+    )
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+#: Persistent vLLM cache (model inspection costs ~14 s once per cache root).
+CACHE_ROOT = Path(__file__).resolve().parent.parent / ".cache" / "vllm"
+
+ModelRunner = Literal["v1", "v2"]
+LoadOrder = Literal["vllm", "before_forward"]
+
+_VOCAB_SIZE = 512
+_HASH_MOD = (1 << 61) - 1
+_VALUE_MOD = 65521  # values stay exact in float32
+_MAX_FAILURES_PER_CHECK = 5
+
+
+def vllm_available() -> bool:
+    """Return whether vLLM 0.33 can be imported here."""
+    try:
+        import vllm  # noqa: PLC0415
+    except ImportError:
+        return False
+    return str(vllm.__version__).startswith("0.33")
+
+
+def _prepare_environment() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(CACHE_ROOT))
+
+
+# ------------------------------------------------------------ pure functions
+
+
+def extend_hash(prefix_hash: int, token: int) -> int:
+    """Return the hash of a prefix extended by one token (0: empty prefix)."""
+    return (prefix_hash * 1_000_003 + token + 1) % _HASH_MOD
+
+
+def prefix_hashes(token_ids: Sequence[int]) -> list[int]:
+    """Return `h[p]`, a rolling hash of `token_ids[:p + 1]`, for every p."""
+    hashes = []
+    h = 0
+    for token in token_ids:
+        h = extend_hash(h, token)
+        hashes.append(h)
+    return hashes
+
+
+def kv_values(hashes: Sequence[int], layer: int, width: int) -> torch.Tensor:
+    """Return the KV each position holds in `layer`, shape `[len, width]`.
+
+    Every value is a nonzero integer below 2**16, so it is exact in float32
+    and differs from the zeros of a never-written slot.
+    """
+    import torch  # noqa: PLC0415
+
+    h = torch.tensor([x % (1 << 31) for x in hashes], dtype=torch.int64)
+    j = torch.arange(width, dtype=torch.int64)
+    mix = h[:, None] * (j[None, :] * 2_654_435 + 40_503) + layer * 7_919 + j
+    return (mix % _VALUE_MOD + 1).to(torch.float32)
+
+
+def sample_token(prefix_hash: int) -> int:
+    """Return the token "sampled" after the prefix with this hash."""
+    return (prefix_hash * 31 + 7) % _VOCAB_SIZE
+
+
+# ------------------------------------------------------------------- records
+
+
+class HarnessError(AssertionError):
+    """The connector or vLLM broke an invariant the harness checks."""
+
+
+@dataclasses.dataclass
+class StepReport:
+    """What one `Harness.step()` did.
+
+    `scheduled`, `preempted` and the KV connector fields describe the step
+    scheduled (and executed) in this call, if any; `finished` and `updated`
+    describe the `update_from_output` run in this call, which under async
+    scheduling belongs to the previous scheduled step.
+    """
+
+    index: int
+    scheduled: dict[str, int]
+    preempted: frozenset[str]
+    finished: dict[str, str]
+    finished_sending: frozenset[str]
+    finished_recving: frozenset[str]
+    invalid_block_ids: frozenset[int]
+    updated: bool
+    num_free_blocks: int
+    failures: list[str]
+
+
+@dataclasses.dataclass
+class _LayerStub:
+    """Stands in for an attention layer in `ForwardContext`."""
+
+    layer_name: str
+    kv_cache: list[torch.Tensor]
+
+
+@dataclasses.dataclass
+class _AttnMetadata:
+    """The part of vLLM's attention metadata a connector may read."""
+
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+
+
+@dataclasses.dataclass
+class _WorkerRequest:
+    """The model runner's cached state of one request."""
+
+    block_ids: list[int]
+
+
+# ------------------------------------------------------------------- harness
+
+
+class Harness:
+    """vLLM 0.33's real scheduler plus a stand-in model runner.
+
+    Args:
+        connector: dotted path of the connector class, such as
+            `"tests.reference_connectors.ReferenceConnector"`; its module
+            becomes `kv_connector_module_path`.
+        kv_role: `"kv_both"`, `"kv_producer"` or `"kv_consumer"`.
+        extra_config: `kv_connector_extra_config`.
+        num_blocks: KV blocks in the pool, including vLLM's null block.
+        block_size: tokens per block.
+        num_layers: attention layers (one KV tensor each).
+        kv_width: floats per token per layer (even: K and V halves).
+        max_num_seqs: `SchedulerConfig.max_num_seqs`.
+        max_num_batched_tokens: `SchedulerConfig.max_num_batched_tokens`.
+        max_model_len: model context length.
+        enable_prefix_caching: vLLM's local prefix cache.
+        async_scheduling: use `AsyncScheduler` and the engine core's batch
+            queue (schedule step N+1 before `update_from_output` of N).
+        model_runner: the model runner whose scheduler behaviour to get
+            (sets `VLLM_USE_V2_MODEL_RUNNER` around every vLLM call).
+        load_order: `"vllm"` calls `start_load_kv` after the forward unless
+            the step has a sync load (vLLM 0.33, both runners, GPU and CPU);
+            `"before_forward"` always calls it before the forward.
+        check_every_step: run the content and block checks after each step.
+
+    """
+
+    def __init__(
+        self,
+        connector: str,
+        *,
+        kv_role: str = "kv_both",
+        extra_config: dict[str, Any] | None = None,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        num_layers: int = 2,
+        kv_width: int = 8,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 64,
+        max_model_len: int = 1024,
+        enable_prefix_caching: bool = True,
+        async_scheduling: bool = False,
+        model_runner: ModelRunner = "v2",
+        load_order: LoadOrder = "vllm",
+        check_every_step: bool = True,
+    ) -> None:
+        if model_runner not in ("v1", "v2"):
+            msg = f"model_runner must be 'v1' or 'v2', not {model_runner!r}"
+            raise ValueError(msg)
+        if kv_width % 2:
+            msg = f"kv_width must be even, not {kv_width}"
+            raise ValueError(msg)
+        _prepare_environment()
+        self.model_runner: ModelRunner = model_runner
+        self.async_scheduling = async_scheduling
+        self.load_order: LoadOrder = load_order
+        self.check_every_step = check_every_step
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_width = kv_width
+        self.layer_names = [
+            f"model.layers.{i}.self_attn.attn" for i in range(num_layers)
+        ]
+
+        self.failures: list[str] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_status: dict[str, str] = {}
+        self.preempted: list[tuple[int, str]] = []
+        self.resumed: list[tuple[int, str, str]] = []
+        self.external_hits: collections.Counter[str] = collections.Counter()
+        self.num_steps = 0
+        self.num_updates = 0
+
+        self._tokens: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[int]] = {}
+        self._worker_reqs: dict[str, _WorkerRequest] = {}
+        self._batch_queue: collections.deque[
+            tuple[SchedulerOutput, ModelRunnerOutput]
+        ] = collections.deque()
+        self._in_flight_aborts: list[str] = []
+        self._step_failures: list[str] = []
+
+        module, _, class_name = connector.rpartition(".")
+        with self._runner_env():
+            self.vllm_config = self._make_vllm_config(
+                module,
+                class_name,
+                kv_role=kv_role,
+                extra_config=extra_config or {},
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_prefix_caching=enable_prefix_caching,
+            )
+            self.kv_cache_config = self._make_kv_cache_config()
+            self.scheduler = self._make_scheduler()
+            self.worker_connector = self._make_worker_connector()
+            self._batch_queue_size = (
+                self.vllm_config.max_concurrent_batches
+                if async_scheduling
+                else 1
+            )
+            if self.vllm_config.use_v2_model_runner != (model_runner == "v2"):
+                msg = f"vLLM did not select the {model_runner} model runner"
+                raise HarnessError(msg)
+        self._spy_on_scheduler_connector()
+
+    # ------------------------------------------------------------ set-up
+
+    @contextlib.contextmanager
+    def _runner_env(self) -> Iterator[None]:
+        """Make `vllm_config.use_v2_model_runner` answer for this harness."""
+        key = "VLLM_USE_V2_MODEL_RUNNER"
+        old = os.environ.get(key)
+        os.environ[key] = "1" if self.model_runner == "v2" else "0"
+        try:
+            yield
+        finally:
+            if old is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = old
+
+    def _make_vllm_config(
+        self,
+        module: str,
+        class_name: str,
+        *,
+        kv_role: str,
+        extra_config: dict[str, Any],
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_prefix_caching: bool,
+    ) -> VllmConfig:
+        from vllm.config import (  # noqa: PLC0415
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+
+        model_config = ModelConfig(
+            model=str(_tiny_model_dir(len(self.layer_names), max_model_len)),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            max_model_len=max_model_len,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=True,
+            disable_hybrid_kv_cache_manager=True,
+            async_scheduling=self.async_scheduling,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        kv_transfer_config = KVTransferConfig(
+            kv_connector=class_name,
+            kv_connector_module_path=module,
+            kv_role=kv_role,
+            kv_connector_extra_config=extra_config,
+            kv_load_failure_policy="recompute",
+        )
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=scheduler_config,
+            cache_config=cache_config,
+            kv_transfer_config=kv_transfer_config,
+            device_config=DeviceConfig("cpu"),
+        )
+        vllm_config.cache_config.num_gpu_blocks = self.num_blocks
+        return vllm_config
+
+    def _make_kv_cache_config(self) -> KVCacheConfig:
+        import torch  # noqa: PLC0415
+        from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+        )
+
+        spec = FullAttentionSpec(
+            block_size=self.block_size,
+            num_kv_heads=1,
+            head_size=self.kv_width // 2,
+            dtype=torch.float32,
+        )
+        page = spec.page_size_bytes
+        return KVCacheConfig(
+            num_blocks=self.num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=page * self.num_blocks,
+                    layers=[name],
+                    layer_stride=page * self.num_blocks,
+                    block_stride=page,
+                )
+                for name in self.layer_names
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)],
+        )
+
+    def _make_scheduler(self) -> Scheduler:
+        from vllm.utils.hashing import sha256  # noqa: PLC0415
+        from vllm.v1.core.kv_cache_utils import (  # noqa: PLC0415
+            get_request_block_hasher,
+            init_none_hash,
+        )
+        from vllm.v1.structured_output import (  # noqa: PLC0415
+            StructuredOutputManager,
+        )
+
+        # sha256 derives NONE_HASH from a fixed seed, so block hashes agree
+        # across harness instances (a producer and a consumer).
+        init_none_hash(sha256)
+        self._block_hasher = get_request_block_hasher(self.block_size, sha256)
+        scheduler_cls = self.vllm_config.scheduler_config.get_scheduler_cls()
+        return scheduler_cls(  # type: ignore[no-any-return]
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(
+                self.vllm_config
+            ),
+            block_size=self.block_size,
+            log_stats=False,
+        )
+
+    def _make_worker_connector(self) -> KVConnectorBase_V1:
+        import torch  # noqa: PLC0415
+        from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: PLC0415
+            KVConnectorFactory,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
+            KVConnectorRole,
+        )
+
+        connector = KVConnectorFactory.create_connector(
+            config=self.vllm_config,
+            role=KVConnectorRole.WORKER,
+            kv_cache_config=self.kv_cache_config,
+        )
+        self.kv_caches = {
+            name: torch.zeros(
+                self.num_blocks,
+                self.block_size,
+                self.kv_width,
+                dtype=torch.float32,
+            )
+            for name in self.layer_names
+        }
+        connector.register_kv_caches(self.kv_caches)
+        return connector  # type: ignore[return-value]
+
+    def _spy_on_scheduler_connector(self) -> None:
+        """Count external hits as the scheduler hands them to the connector."""
+        connector = self.scheduler_connector
+        original = connector.update_state_after_alloc
+
+        def update_state_after_alloc(
+            request: Request, blocks: Any, num_external_tokens: int
+        ) -> None:
+            self.external_hits[request.request_id] += num_external_tokens
+            original(request, blocks, num_external_tokens)
+
+        connector.update_state_after_alloc = update_state_after_alloc  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------ accessors
+
+    @property
+    def scheduler_connector(self) -> KVConnectorBase_V1:
+        """The SCHEDULER-role connector that vLLM's scheduler created."""
+        connector = self.scheduler.connector
+        if connector is None:
+            msg = "the scheduler has no KV connector"
+            raise HarnessError(msg)
+        return connector
+
+    @property
+    def external_hit_tokens(self) -> int:
+        """Tokens admitted as external hits, summed over all admissions."""
+        return sum(self.external_hits.values())
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions seen in `SchedulerOutput.preempted_req_ids`."""
+        return len(self.preempted)
+
+    def finished_by_status(self) -> collections.Counter[str]:
+        """Count finished requests by their final `RequestStatus` name."""
+        return collections.Counter(self.finished_status.values())
+
+    def output_token_ids(self, req_id: str) -> list[int]:
+        """Return the tokens the scheduler recorded as the request's output."""
+        return list(self.requests[req_id].output_token_ids)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks in the scheduler's block pool (cached ones included)."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return int(pool.get_num_free_blocks())
+
+    def is_idle(self) -> bool:
+        """Return whether the engine core would stop stepping."""
+        return not self._batch_queue and not self.scheduler.has_requests()
+
+    # ------------------------------------------------------------- requests
+
+    def add_request(
+        self, req_id: str, prompt_token_ids: Sequence[int], max_tokens: int
+    ) -> Request:
+        """Add a request that generates exactly `max_tokens` tokens."""
+        from vllm.sampling_params import SamplingParams  # noqa: PLC0415
+        from vllm.v1.request import Request  # noqa: PLC0415
+
+        prompt = list(prompt_token_ids)
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True, detokenize=False
+            ),
+            pooling_params=None,
+            block_hasher=self._block_hasher,
+        )
+        self.requests[req_id] = request
+        self._tokens[req_id] = list(prompt)
+        self._hashes[req_id] = prefix_hashes(prompt)
+        with self._vllm_call(f"add_request({req_id})"):
+            self.scheduler.add_request(request)
+        return request
+
+    def abort(self, req_id: str, *, in_flight: bool = False) -> None:
+        """Abort a request as the engine core does.
+
+        With `in_flight`, the abort lands like a client abort that arrives
+        during model execution: after the next step's execution, before its
+        `update_from_output`.
+        """
+        if in_flight:
+            self._in_flight_aborts.append(req_id)
+            return
+        self._finish_aborted([req_id])
+
+    def _finish_aborted(self, req_ids: list[str]) -> None:
+        from vllm.v1.request import RequestStatus  # noqa: PLC0415
+
+        with self._vllm_call(f"finish_requests({req_ids})"):
+            self.scheduler.finish_requests(
+                req_ids, RequestStatus.FINISHED_ABORTED
+            )
+        self._record_finished()
+
+    # ----------------------------------------------------------------- steps
+
+    def step(self) -> StepReport:
+        """Run one engine-core step; see `StepReport`."""
+        self.num_steps += 1
+        self._step_failures = []
+        scheduled: dict[str, int] = {}
+        preempted: frozenset[str] = frozenset()
+        executed: ModelRunnerOutput | None = None
+        update: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        if self.scheduler.has_requests():
+            with self._vllm_call("schedule()"):
+                scheduler_output = self.scheduler.schedule()
+            scheduled = dict(scheduler_output.num_scheduled_tokens)
+            preempted = frozenset(scheduler_output.preempted_req_ids or ())
+            self.preempted.extend((self.num_steps, r) for r in preempted)
+            executed = self._execute(scheduler_output)
+            self._batch_queue.appendleft((scheduler_output, executed))
+            model_executed = scheduler_output.total_num_scheduled_tokens > 0
+            queue_full = len(self._batch_queue) >= self._batch_queue_size
+            if not queue_full and (
+                model_executed or self.scheduler.has_requests()
+            ):
+                return self._report(scheduled, preempted, executed, None)
+        if self._batch_queue:
+            update = self._batch_queue.pop()
+            if self._in_flight_aborts:
+                aborts, self._in_flight_aborts = self._in_flight_aborts, []
+                self._finish_aborted(aborts)
+            with self._vllm_call("update_from_output()"):
+                self.scheduler.update_from_output(*update)
+            self.num_updates += 1
+        finished = self._record_finished()
+        if self.check_every_step:
+            self._check_contents()
+            self._check_block_pool()
+        return self._report(scheduled, preempted, executed, finished)
+
+    def run_until_idle(
+        self, max_steps: int = 1000, *, check: bool = True
+    ) -> list[StepReport]:
+        """Step until the engine core would stop, then `check()`.
+
+        Raises:
+            HarnessError: not idle after `max_steps`, or a check failed.
+
+        """
+        reports = []
+        for _ in range(max_steps):
+            if self.is_idle():
+                break
+            reports.append(self.step())
+        else:
+            if not self.is_idle():
+                self._fail(f"not idle after {max_steps} steps")
+        if check:
+            self.check()
+        return reports
+
+    def check(self, *, final: bool = True) -> None:
+        """Check now; raise `HarnessError` if any check ever failed.
+
+        With `final`, also require that every request finished and every
+        block is free again (the engine core has nothing left to do).
+        """
+        self._check_contents()
+        self._check_block_pool()
+        if final:
+            self._check_drained()
+        if self.failures:
+            msg = f"{len(self.failures)} failure(s):\n" + "\n".join(
+                self.failures[:50]
+            )
+            raise HarnessError(msg)
+
+    def close(self) -> None:
+        """Shut both connector instances and the scheduler down."""
+        with contextlib.suppress(Exception):
+            self.worker_connector.shutdown()
+        with contextlib.suppress(Exception):
+            self.scheduler.shutdown()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------- the worker
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Play the model runner for one scheduled step."""
+        from vllm.forward_context import (  # noqa: PLC0415
+            ForwardContext,
+            override_forward_context,
+        )
+        from vllm.v1.outputs import (  # noqa: PLC0415
+            KVConnectorOutput,
+            ModelRunnerOutput,
+        )
+
+        with self._vllm_call("model runner"):
+            positions = self._update_worker_states(scheduler_output)
+            attn_metadata = self._attn_metadata(positions)
+            forward_context = ForwardContext(
+                no_compile_layers={
+                    name: _LayerStub(name, [kv])
+                    for name, kv in self.kv_caches.items()
+                },
+                attn_metadata=dict.fromkeys(self.layer_names, attn_metadata),
+                slot_mapping=dict.fromkeys(
+                    self.layer_names, attn_metadata.slot_mapping
+                ),
+            )
+            connector = self.worker_connector
+            meta = scheduler_output.kv_connector_metadata
+            if meta is None:
+                msg = "SchedulerOutput carries no kv_connector_metadata"
+                raise HarnessError(msg)
+            has_forward = scheduler_output.total_num_scheduled_tokens > 0
+            load_first = (
+                self.load_order == "before_forward"
+                or scheduler_output.has_sync_kv_loads
+            )
+            load_kwargs = self._load_kwargs(
+                scheduler_output, has_forward=has_forward
+            )
+            with override_forward_context(forward_context):
+                connector.handle_preemptions(meta)
+                connector.bind_connector_metadata(meta)
+                if load_first:
+                    connector.start_load_kv(forward_context, **load_kwargs)
+                if has_forward:
+                    self._forward(positions, attn_metadata)
+                if self.model_runner == "v2":
+                    connector.finish_forward()
+                if not load_first:
+                    connector.start_load_kv(forward_context, **load_kwargs)
+                connector.wait_for_save()
+                results = connector.get_transfer_results(
+                    scheduler_output.finished_req_ids
+                )
+                # NOTE(harness): the v2 runner turns empty sets into None;
+                # the v1 runner passes them on as they are.
+                empty = None if self.model_runner == "v2" else set()
+                kv_output = KVConnectorOutput(
+                    finished_sending=results.finished_sending or empty,
+                    finished_recving=results.finished_recving or empty,
+                    failed_recving=results.failed_recving,
+                    invalid_block_ids=connector.get_block_ids_with_load_errors(),
+                    kv_connector_stats=connector.get_kv_connector_stats(),
+                    kv_cache_events=(
+                        connector.get_kv_connector_kv_cache_events()
+                    ),
+                    kv_connector_worker_meta=(
+                        connector.build_connector_worker_meta()
+                    ),
+                )
+                connector.clear_connector_metadata()
+        if not has_forward:
+            return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+        req_ids = list(positions)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[self._sample(r, positions[r]) for r in req_ids],
+            kv_connector_output=kv_output,
+        )
+
+    def _load_kwargs(
+        self, scheduler_output: SchedulerOutput, *, has_forward: bool
+    ) -> dict[str, Any]:
+        """Keyword arguments the runner passes to `start_load_kv`.
+
+        The v1 runner passes none; the v2 runner passes the scheduler output
+        and batch layout on steps with a forward.
+        """
+        if self.model_runner == "v1" or not has_forward:
+            return {}
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        return {
+            "scheduler_output": scheduler_output,
+            "request_ids": req_ids,
+            "num_tokens": scheduler_output.total_num_scheduled_tokens,
+        }
+
+    def _update_worker_states(
+        self, scheduler_output: SchedulerOutput
+    ) -> dict[str, range]:
+        """Apply the step to the runner's block tables, as the runner does.
+
+        Returns the token positions each scheduled request computes.
+        """
+        for req_id in scheduler_output.finished_req_ids:
+            self._worker_reqs.pop(req_id, None)
+        for req_id in scheduler_output.preempted_req_ids or ():
+            self._worker_reqs.pop(req_id, None)
+        starts = self._apply_new_requests(scheduler_output)
+        starts.update(self._apply_cached_requests(scheduler_output))
+        manager = self.scheduler.kv_cache_manager
+        positions = {}
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            table = self._worker_reqs[req_id].block_ids
+            expected = list(manager.get_block_ids(req_id)[0])
+            if table != expected:
+                self._fail(
+                    f"{req_id}: runner block table {table} differs from the "
+                    f"scheduler's {expected}"
+                )
+                self._worker_reqs[req_id].block_ids = expected
+            positions[req_id] = range(starts[req_id], starts[req_id] + num_new)
+        return positions
+
+    def _apply_new_requests(
+        self, scheduler_output: SchedulerOutput
+    ) -> dict[str, int]:
+        """New requests (and, under v2, resumed ones) bring a whole table."""
+        starts = {}
+        preempted_before = {r for _, r in self.preempted}
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in preempted_before:
+                self._note_resumed(new.req_id, "scheduled_new_reqs")
+            self._worker_reqs[new.req_id] = _WorkerRequest(
+                list(new.block_ids[0])
+            )
+            starts[new.req_id] = new.num_computed_tokens
+            tokens = new.prefill_token_ids or new.prompt_token_ids or []
+            self._check_token_prefix(new.req_id, tokens, "new request")
+        return starts
+
+    def _apply_cached_requests(
+        self, scheduler_output: SchedulerOutput
+    ) -> dict[str, int]:
+        """Continuing requests append blocks; v1-resumed ones replace them."""
+        starts = {}
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                self._note_resumed(req_id, "resumed_req_ids")
+                self._worker_reqs[req_id] = _WorkerRequest(
+                    list(new_ids[0]) if new_ids else []
+                )
+            elif req_id not in self._worker_reqs:
+                self._fail(
+                    f"{req_id}: scheduled as a continuing request, but the "
+                    "runner holds no state for it (a resumed request not "
+                    "marked as resumed?)"
+                )
+                self._worker_reqs[req_id] = _WorkerRequest([])
+            elif new_ids:
+                self._worker_reqs[req_id].block_ids.extend(new_ids[0])
+            starts[req_id] = cached.num_computed_tokens[i]
+            if req_id in cached.all_token_ids:
+                self._check_token_prefix(
+                    req_id, cached.all_token_ids[req_id], "resent tokens"
+                )
+        return starts
+
+    def _note_resumed(self, req_id: str, how: str) -> None:
+        """Record a resumption once per preemption."""
+        preemptions = sum(1 for _, r in self.preempted if r == req_id)
+        resumptions = sum(1 for _, r, _ in self.resumed if r == req_id)
+        if resumptions < preemptions:
+            self.resumed.append((self.num_steps, req_id, how))
+
+    def _check_token_prefix(
+        self, req_id: str, tokens: Sequence[int], what: str
+    ) -> None:
+        known = self._tokens[req_id]
+        if list(tokens) != known[: len(tokens)]:
+            self._fail(f"{req_id}: {what} disagree with the tokens so far")
+
+    def _slots(self, req_id: str, positions: range) -> torch.Tensor:
+        import torch  # noqa: PLC0415
+
+        table = self._worker_reqs[req_id].block_ids
+        bs = self.block_size
+        return torch.tensor(
+            [table[p // bs] * bs + p % bs for p in positions],
+            dtype=torch.int64,
+        )
+
+    def _attn_metadata(self, positions: dict[str, range]) -> _AttnMetadata:
+        import torch  # noqa: PLC0415
+
+        slots = [self._slots(r, ps) for r, ps in positions.items()]
+        slot_mapping = (
+            torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
+        )
+        return _AttnMetadata(slot_mapping, int(slot_mapping.numel()))
+
+    def _forward(
+        self, positions: dict[str, range], attn_metadata: _AttnMetadata
+    ) -> None:
+        """Write each scheduled token's KV, layer by layer, with the hooks."""
+        connector = self.worker_connector
+        for layer, name in enumerate(self.layer_names):
+            connector.wait_for_layer_load(name)
+            kv = self.kv_caches[name].view(-1, self.kv_width)
+            for req_id, ps in positions.items():
+                if not ps:
+                    continue
+                hashes = self._hashes[req_id]
+                if ps.stop > len(hashes):
+                    self._fail(
+                        f"{req_id}: scheduled position {ps.stop - 1} but only "
+                        f"{len(hashes)} tokens exist"
+                    )
+                    continue
+                kv[self._slots(req_id, ps)] = kv_values(
+                    hashes[ps.start : ps.stop], layer, self.kv_width
+                )
+            connector.save_kv_layer(name, self.kv_caches[name], attn_metadata)
+
+    def _sample(self, req_id: str, positions: range) -> list[int]:
+        """Sample after a step that reaches the request's last known token."""
+        tokens = self._tokens[req_id]
+        if positions.stop < len(tokens):
+            return []  # a partial prefill chunk
+        token = sample_token(self._hashes[req_id][positions.stop - 1])
+        if positions.stop == len(tokens):
+            tokens.append(token)
+            hashes = self._hashes[req_id]
+            hashes.append(extend_hash(hashes[-1], token))
+        return [token]
+
+    def _report(
+        self,
+        scheduled: dict[str, int],
+        preempted: frozenset[str],
+        executed: ModelRunnerOutput | None,
+        finished: dict[str, str] | None,
+    ) -> StepReport:
+        kv = executed.kv_connector_output if executed is not None else None
+        return StepReport(
+            index=self.num_steps,
+            scheduled=scheduled,
+            preempted=preempted,
+            finished=finished or {},
+            finished_sending=frozenset(kv.finished_sending or ())
+            if kv
+            else frozenset(),
+            finished_recving=frozenset(kv.finished_recving or ())
+            if kv
+            else frozenset(),
+            invalid_block_ids=frozenset(kv.invalid_block_ids)
+            if kv
+            else frozenset(),
+            updated=finished is not None,
+            num_free_blocks=self.num_free_blocks,
+            failures=list(self._step_failures),
+        )
+
+    # --------------------------------------------------------------- checks
+
+    @contextlib.contextmanager
+    def _vllm_call(self, what: str) -> Iterator[None]:
+        with self._runner_env():
+            try:
+                yield
+            except HarnessError:
+                raise
+            except Exception as exc:
+                self._fail(f"step {self.num_steps}: {what} raised {exc!r}")
+                msg = f"{what} raised {exc!r}"
+                raise HarnessError(msg) from exc
+
+    def _fail(self, message: str) -> None:
+        self.failures.append(message)
+        self._step_failures.append(message)
+
+    def _record_finished(self) -> dict[str, str]:
+        finished = {}
+        for req_id, request in self.requests.items():
+            if req_id not in self.finished_status and request.is_finished():
+                finished[req_id] = request.status.name
+        self.finished_status.update(finished)
+        return finished
+
+    def _check_contents(self) -> None:
+        """Every block covering a request's computed tokens holds its KV."""
+        from vllm.v1.request import RequestStatus  # noqa: PLC0415
+
+        manager = self.scheduler.kv_cache_manager
+        bs = self.block_size
+        reported = 0
+        for req_id, request in self.scheduler.requests.items():
+            computed = request.num_computed_tokens
+            if (
+                computed == 0
+                or request.is_finished()
+                or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            ):
+                continue
+            table = manager.get_block_ids(req_id)[0]
+            if len(table) * bs < computed:
+                self._fail(
+                    f"{req_id}: {computed} computed tokens but only "
+                    f"{len(table)} blocks"
+                )
+                continue
+            hashes = self._hashes[req_id][:computed]
+            if len(hashes) < computed:
+                self._fail(f"{req_id}: {computed} computed tokens unknown")
+                continue
+            table_tensor = self._table_tensor(table)
+            positions = self._positions(computed)
+            slots = table_tensor[positions // bs] * bs + positions % bs
+            for layer, name in enumerate(self.layer_names):
+                actual = self.kv_caches[name].view(-1, self.kv_width)[slots]
+                expected = kv_values(hashes, layer, self.kv_width)
+                bad = (actual != expected).any(dim=1).nonzero()
+                if bad.numel() and reported < _MAX_FAILURES_PER_CHECK:
+                    reported += 1
+                    p = int(bad[0])
+                    self._fail(
+                        f"step {self.num_steps}: {req_id} "
+                        f"({request.status.name}, {computed} computed) "
+                        f"holds wrong KV in {name} at "
+                        f"{bad.numel()} position(s), first {p} (block "
+                        f"{table[p // bs]})"
+                    )
+
+    @staticmethod
+    def _table_tensor(table: Sequence[int]) -> torch.Tensor:
+        import torch  # noqa: PLC0415
+
+        return torch.tensor(table, dtype=torch.int64)
+
+    @staticmethod
+    def _positions(count: int) -> torch.Tensor:
+        import torch  # noqa: PLC0415
+
+        return torch.arange(count, dtype=torch.int64)
+
+    def _check_block_pool(self) -> None:
+        """Reference counts never go negative and match the free queue."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        blocks = [b for b in pool.blocks if not b.is_null]
+        negative = [b.block_id for b in blocks if b.ref_cnt < 0]
+        if negative:
+            self._fail(
+                f"step {self.num_steps}: blocks freed more often than "
+                f"allocated (ref_cnt < 0): {negative}"
+            )
+        unreferenced = sum(1 for b in blocks if b.ref_cnt == 0)
+        if unreferenced != pool.get_num_free_blocks():
+            self._fail(
+                f"step {self.num_steps}: {pool.get_num_free_blocks()} blocks "
+                f"in the free queue but {unreferenced} with ref_cnt 0"
+            )
+        manager = self.scheduler.kv_cache_manager
+        for req_id in self.scheduler.requests:
+            for block_id in manager.get_block_ids(req_id)[0]:
+                block = pool.blocks[block_id]
+                if not block.is_null and block.ref_cnt <= 0:
+                    self._fail(
+                        f"step {self.num_steps}: {req_id} holds block "
+                        f"{block_id}, which is free"
+                    )
+
+    def _check_drained(self) -> None:
+        """Every request finished and every block is free again."""
+        unfinished = [
+            r for r, req in self.requests.items() if not req.is_finished()
+        ]
+        if unfinished:
+            self._fail(f"requests never finished: {unfinished}")
+        if self.scheduler.requests:
+            held = {
+                r: req.status.name
+                for r, req in self.scheduler.requests.items()
+            }
+            self._fail(f"scheduler still holds requests: {held}")
+        usable = self.num_blocks - 1  # block 0 is vLLM's null block
+        if self.num_free_blocks != usable:
+            self._fail(
+                f"leaked blocks: {self.num_free_blocks} of {usable} free at "
+                "the end"
+            )
+
+
+@functools.cache
+def _tiny_model_dir(num_layers: int, max_model_len: int) -> Path:
+    """Write a tiny Llama `config.json` (no weights) into a temporary folder.
+
+    The folder is made once per process and removed at exit.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="kv-lifecycle-tiny-llama-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": num_layers,
+        "vocab_size": _VOCAB_SIZE,
+        "max_position_embeddings": max_model_len,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder

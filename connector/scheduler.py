@@ -75,6 +75,8 @@ class RequestTracker(Tracker):
         lookup_key: (epoch, blocks asked) of the cached lookup result, so
             repeated lookups while vLLM waits for space cost nothing.
         load_job: The open load job, or -1.
+        load_failures: Failed loads; after one, the request recomputes
+            instead of trusting the store again.
     """
 
     num_prompt_tokens: int = 0
@@ -82,6 +84,7 @@ class RequestTracker(Tracker):
     block_hashes: list[bytes] = attrs.field(factory=list)
     lookup_key: tuple[int, int] = (-1, -1)
     load_job: int = -1
+    load_failures: int = 0
 
 
 @attrs.define(slots=True, eq=False)
@@ -286,6 +289,8 @@ class SchedulerSide:
         return len(self._open)
 
     def _hit_tokens(self, tracker: RequestTracker, num_tokens: int) -> int:
+        if tracker.load_failures:
+            return 0
         bs = self.block_size
         asked = min(len(tracker.block_hashes), max(num_tokens - 1, 0) // bs)
         key = (tracker.epoch, asked)
@@ -404,6 +409,7 @@ class SchedulerSide:
         event = Event.LOAD_DONE if ok else Event.LOAD_FAILED
         if tracker is not None and tracker.load_job == job.job_id:
             tracker.load_job = -1
+            tracker.load_failures += not ok
         return self.registry.fire(
             job.req_id, event, epoch=job.epoch, known=False
         )

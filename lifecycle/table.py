@@ -41,7 +41,9 @@ PREEMPTED vLLM preempted the request and has already freed its blocks,
           possibly to another request in the same step.  The epoch is bumped
           at once, so no in-flight job of the old epoch can touch the new
           lifecycle; in-flight saves pin their own blocks (vLLM #52360).
-RESET     The connector has cleared the tracker for re-admission.  Lookups
+RESET     The connector has cleared the tracker for re-admission: after a
+          preemption, or after a failed load (vLLM keeps the valid prefix
+          or frees everything and looks the request up again).  Lookups
           and allocations accumulate until vLLM schedules it again, and a
           resume *replaces* the block table (vLLM #46595, LMCache#2069).
 DRAINING  Added for invariant 3 of the reference (vLLM #50984, #43226,
@@ -109,7 +111,12 @@ TRANSITIONS: Final[tuple[Row, ...]] = (
     Row(S.LOADING, E.ALLOC_LOCAL, S.LOADING),
     Row(S.LOADING, E.ALLOC_EXTERNAL, S.LOADING),
     Row(S.LOADING, E.LOAD_DONE, S.SAVING, after=("settle_load",)),
-    Row(S.LOADING, E.LOAD_FAILED, S.SAVING, after=("settle_load",)),
+    Row(
+        S.LOADING,
+        E.LOAD_FAILED,
+        S.RESET,
+        after=("settle_load", "clear_progress"),
+    ),
     Row(S.LOADING, E.FINISH, S.DRAINING),
     Row(S.LOADING, E.ABORT, S.DRAINING),
     # SAVING: running; full blocks are saved as they fill.

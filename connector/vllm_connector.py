@@ -1,0 +1,313 @@
+"""The vLLM 0.33 `KVConnectorBase_V1` over the Mooncake store.
+
+Load it with::
+
+    KVTransferConfig(
+        kv_connector="MooncakeLifecycleConnector",
+        kv_connector_module_path="connector",
+        kv_role="kv_both",  # or kv_producer / kv_consumer
+        kv_connector_extra_config={
+            "master_server_address": "127.0.0.1:50051",
+            "metadata_server": "http://127.0.0.1:8080/metadata",
+        },
+    )
+
+This module is the role facade: every hook is a one-line delegation to
+`connector.scheduler.SchedulerSide` or `connector.worker.WorkerSide`,
+which hold no vLLM import.  Importing it imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import PurePath
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from connector import clients
+from connector.config import StoreConfig
+from connector.keys import KeyScheme, Layout
+from connector.metadata import ConnectorMeta, JobResult, WorkerReport
+from connector.scheduler import Role, SchedulerSide
+from connector.store import Regions, StoreClient
+from connector.worker import KVLayout, WorkerSide
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import torch
+
+log: Final = logging.getLogger(__name__)
+
+
+class LifecycleConnectorMetadata(KVConnectorMetadata):
+    """vLLM's scheduler -> worker envelope around a `ConnectorMeta`."""
+
+    def __init__(self, meta: ConnectorMeta) -> None:
+        self.meta = meta
+
+
+class LifecycleWorkerMetadata(KVConnectorWorkerMetadata):
+    """vLLM's worker -> scheduler envelope; folds ranks' job results."""
+
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    @property
+    def results(self) -> tuple[JobResult, ...]:
+        """The job results of every rank folded in so far."""
+        return self.report.results
+
+    def aggregate(
+        self, other: KVConnectorWorkerMetadata
+    ) -> LifecycleWorkerMetadata:
+        """Fold another rank's report into this one."""
+        if isinstance(other, LifecycleWorkerMetadata):
+            return LifecycleWorkerMetadata(self.report.merged(other.report))
+        return self
+
+
+@attrs.frozen
+class _StoreLookup:
+    """Asks the store how many leading blocks every TP shard holds."""
+
+    client: Any
+    schemes: tuple[KeyScheme, ...]
+
+    def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        if not block_hashes:
+            return 0
+        keys = [k for s in self.schemes for k in s.keys(block_hashes)]
+        flags = self.client.exists(keys).succeeded
+        n = len(block_hashes)
+        hit = n
+        for i in range(len(self.schemes)):
+            shard = flags[i * n : (i + 1) * n]
+            hit = min(hit, next((j for j, f in enumerate(shard) if not f), n))
+        return hit
+
+
+def _layout(kv_cache_config: Any) -> Layout:
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    layers = len(group.layer_names)
+    return Layout(
+        dtype=str(spec.dtype).removeprefix("torch."),
+        block_tokens=spec.block_size,
+        block_bytes=spec.page_size_bytes * layers,
+        detail=f"{layers}layers",
+    )
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import (  # noqa: PLC0415 - needs a worker
+            get_tensor_model_parallel_rank,
+        )
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, ImportError, RuntimeError):
+        return 0
+
+
+class MooncakeLifecycleConnector(KVConnectorBase_V1):
+    """A KV connector whose hooks only fire lifecycle events.
+
+    It never asserts on ordering, never delays freeing (saves pin their
+    own blocks), reports exactly one receive completion per load, even a
+    failed one (whose blocks vLLM recomputes), and never reports one vLLM
+    no longer expects.
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        role: KVConnectorRole,
+        kv_cache_config: Any,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        extra = dict(transfer.kv_connector_extra_config or {})
+        self._store_config = StoreConfig.from_vllm(extra)
+        parallel = vllm_config.parallel_config
+        tp_size = parallel.tensor_parallel_size
+        model = PurePath(str(vllm_config.model_config.model)).name
+        layout = _layout(kv_cache_config)
+
+        def scheme(rank: int) -> KeyScheme:
+            return KeyScheme(
+                namespace=self._store_config.namespace,
+                model=model,
+                tp_rank=rank,
+                tp_size=tp_size,
+                layout=layout,
+            )
+
+        self._client: StoreClient | None = clients.acquire(self._store_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._registered: list[int] = []
+        self._keys = scheme(_tp_rank() if tp_size > 1 else 0)
+        self._num_blocks = kv_cache_config.num_blocks
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                block_size=vllm_config.cache_config.block_size,
+                role=Role(transfer.kv_role),
+                lookup=_StoreLookup(
+                    self._client, tuple(scheme(r) for r in range(tp_size))
+                ),
+                world_size=parallel.world_size,
+            )
+
+    # ------------------------------------------------------- scheduler side
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        """The scheduler half (scheduler role only)."""
+        if self._scheduler is None:
+            msg = "not a scheduler-role connector"
+            raise RuntimeError(msg)
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide | None:
+        """The worker half, once `register_kv_caches` ran."""
+        return self._worker
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a dropped save is a future miss."""
+        return False
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Let saves pin their blocks until every rank has read them."""
+        self.scheduler_side.bind_block_pool(gpu_block_pool)
+
+    def on_new_request(self, request: Any) -> None:
+        """Track the request from NEW (vLLM #56780: abort before lookup)."""
+        self.scheduler_side.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Longest stored prefix beyond the local hit; loaded async."""
+        return self.scheduler_side.get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        """Blocks allocated; `num_external_tokens == 0` means do not load."""
+        self.scheduler_side.update_state_after_alloc(
+            request, blocks, num_external_tokens
+        )
+
+    def build_connector_meta(
+        self, scheduler_output: Any
+    ) -> LifecycleConnectorMetadata:
+        """Called once per `schedule()`: the step's events and jobs."""
+        return LifecycleConnectorMetadata(
+            self.scheduler_side.build_connector_meta(scheduler_output)
+        )
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Called once when vLLM finishes a request, in any state."""
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Settle job results; pass on only expected receive completions."""
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        """Saves still pin blocks: keep the engine stepping."""
+        return self.scheduler_side.has_pending_push_work()
+
+    # ---------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register the KV tensors with the store once; start the threads."""
+        client = self._client
+        if client is None:
+            msg = "register_kv_caches after shutdown"
+            raise RuntimeError(msg)
+        layout = KVLayout.from_tensors(kv_caches, self._num_blocks)
+        for tensor in kv_caches.values():
+            client.register_tensor(tensor)
+            self._registered.append(tensor.data_ptr())
+        self._worker = WorkerSide(client, self._keys, layout, Regions)
+
+    def _meta(self) -> ConnectorMeta | None:
+        bound = self._connector_metadata
+        return (
+            bound.meta
+            if isinstance(bound, LifecycleConnectorMetadata)
+            else None
+        )
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Queue this step's loads (all async)."""
+        del forward_context, kwargs
+        if self._worker is not None:
+            self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loads are async and whole-request."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: Any,
+        **kwargs: Any,
+    ) -> None:
+        """Nothing per layer: whole blocks are saved in `wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        """Queue this step's saves after the forward pass wrote the KV."""
+        if self._worker is not None:
+            self._worker.wait_for_save(self._meta())
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        """(None, requests whose load ended, failed or not)."""
+        del finished_req_ids
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed: vLLM recomputes them."""
+        if self._worker is None:
+            return set()
+        return self._worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> LifecycleWorkerMetadata | None:
+        """This step's job results, for the scheduler half."""
+        report = self._worker.build_report() if self._worker else None
+        return LifecycleWorkerMetadata(report) if report else None
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Nothing to do: in-flight saves pinned their own blocks."""
+
+    def shutdown(self) -> None:
+        """Drain the transfer threads (bounded) and release the client."""
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+        if self._client is not None:
+            for ptr in self._registered:
+                self._client.unregister(ptr)
+            self._registered.clear()
+            clients.release(self._client)
+            self._client = None

@@ -1,0 +1,216 @@
+"""The connector inside vLLM 0.33's real scheduler, over a real master.
+
+Each scenario runs `tests.vllm_harness.Harness`: vLLM's own `Scheduler`
+(or `AsyncScheduler`) drives `connector.MooncakeLifecycleConnector`
+loaded by module path, the harness plays the model runner on CPU KV
+tensors and checks after every step that each computed block holds what
+recomputation would write, and at the end that every block is free.
+On top, each test checks the lifecycle: no illegal ordering, no tracker
+and no open job left.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from connector.store import BatchResult, Op, Outcome
+from tests.vllm_harness import Harness
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
+
+CONNECTOR = "connector.MooncakeLifecycleConnector"
+
+
+def prompt(seed, length):
+    return [(seed * 37 + i * 11) % 500 for i in range(length)]
+
+
+@pytest.fixture
+def extra(mooncake_master, unique):
+    return {
+        "master_server_address": mooncake_master.rpc_address,
+        "metadata_server": mooncake_master.metadata_server,
+        "protocol": "tcp",
+        "global_segment_size": "64MiB",
+        "local_buffer_size": "16MiB",
+        "namespace": unique,
+    }
+
+
+@pytest.fixture
+def harnesses():
+    made = []
+    yield made
+    for h in reversed(made):
+        h.close()
+
+
+@pytest.fixture
+def make(extra, harnesses):
+    def _make(**kwargs):
+        h = Harness(CONNECTOR, extra_config=extra, **kwargs)
+        harnesses.append(h)
+        return h
+
+    return _make
+
+
+def run(h, max_steps=3000, deadline_s=60.0):
+    """Step until idle; while only transfers are pending, let them run."""
+    end = time.monotonic() + deadline_s
+    for _ in range(max_steps):
+        if h.is_idle() or time.monotonic() > end:
+            break
+        h.step()
+        if not h.scheduler.has_requests():
+            time.sleep(0.005)
+    h.check()
+
+
+def side(h):
+    return h.scheduler_connector.scheduler_side
+
+
+def assert_clean(h):
+    """Lifecycle ends: no illegal ordering, no tracker, no open job."""
+    s = side(h)
+    assert dict(s.machine.illegal_counts) == {}
+    assert len(s.registry) == 0
+    assert s.open_jobs == 0
+    assert s.unexpected_reports == 0
+    assert h.failures == []
+
+
+class TestScenarios:
+    @pytest.mark.parametrize("model_runner", ["v1", "v2"])
+    def test_preempt_then_finish(self, make, model_runner):
+        """vLLM #43281: requests finish after preemption; nothing leaks."""
+        h = make(num_blocks=12, model_runner=model_runner)
+        for i in range(4):
+            h.add_request(f"r{i}", prompt(i, 40), max_tokens=30)
+        run(h)
+        assert h.num_preemptions >= 1
+        assert h.resumed
+        assert h.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 4}
+        assert_clean(h)
+
+    def test_preempt_then_abort(self, make):
+        """Abort a request while it is preempted (empty block ids)."""
+        h = make(num_blocks=12)
+        for i in range(4):
+            h.add_request(f"r{i}", prompt(i, 40), max_tokens=30)
+        victim = None
+        for _ in range(200):
+            report = h.step()
+            if report.preempted:
+                victim = min(report.preempted)
+                break
+        assert victim is not None
+        h.abort(victim)
+        run(h)
+        assert h.finished_by_status()["FINISHED_ABORTED"] == 1
+        assert_clean(h)
+
+    def test_prefix_saved_by_producer_loaded_by_consumer(self, make):
+        """Two instances, one master: B loads what A saved, bytes checked."""
+        a = make(kv_role="kv_producer", num_blocks=40)
+        for i in range(3):
+            a.add_request(f"a{i}", prompt(i, 64), max_tokens=4)
+        run(a)
+        b = make(kv_role="kv_consumer", num_blocks=40)
+        for i in range(3):
+            b.add_request(f"b{i}", [*prompt(i, 64), 1, 2, 3], max_tokens=4)
+        run(b)
+        assert sum(b.external_hits.values()) == 3 * 64
+        assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 3}
+        assert_clean(a)
+        assert_clean(b)
+
+    def test_abort_during_async_load(self, make):
+        """Aborted while its KV arrives: one receive completion, no leak."""
+        a = make(num_blocks=40)
+        a.add_request("a", prompt(5, 64), max_tokens=2)
+        run(a)
+        b = make(num_blocks=40)
+        b.add_request("b", [*prompt(5, 64), 9], max_tokens=8)
+        b.step()
+        tracker = side(b).registry.get("b")
+        assert tracker is not None
+        assert tracker.state.name == "LOADING"
+        b.abort("b")
+        assert tracker.state.name == "DRAINING"
+        run(b)
+        assert b.finished_by_status() == {"FINISHED_ABORTED": 1}
+        assert tracker.state.name == "ABORTED"
+        assert_clean(b)
+
+    def test_load_failure_becomes_recompute(self, make):
+        """A failed load is reported, recomputed, and never serves bad KV."""
+        a = make(num_blocks=40)
+        a.add_request("a", prompt(7, 64), max_tokens=2)
+        run(a)
+        b = make(num_blocks=40)
+        worker = b.worker_connector.worker_side
+        real_get = worker._store.get
+
+        def failing_get(keys, regions):
+            real_get(keys, regions)
+            outcomes = [Outcome.TRANSFER_FAILED] * len(keys)
+            return BatchResult(Op.GET, outcomes, [-800] * len(keys))
+
+        worker._store = type(
+            "Failing",
+            (),
+            {
+                "get": staticmethod(failing_get),
+                "put": staticmethod(worker._store.put),
+            },
+        )()
+        b.add_request("b", [*prompt(7, 64), 3], max_tokens=6)
+        run(b)
+        assert sum(worker.jobs_failed.values()) == 1
+        assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+        assert (
+            sum(
+                side(b).machine.transition_counts()[r]
+                for r in side(b).machine.transition_counts()
+                if r.event.value == "load_failed"
+            )
+            == 1
+        )
+        assert_clean(b)
+
+    def test_async_scheduler(self, make):
+        """AsyncScheduler: step N+1 is built before step N's output."""
+        h = make(num_blocks=12, async_scheduling=True)
+        for i in range(4):
+            h.add_request(f"r{i}", prompt(i, 40), max_tokens=30)
+        run(h)
+        assert h.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 4}
+        assert_clean(h)
+
+    def test_repeated_lookups_while_waiting_are_idempotent(self, make):
+        """vLLM asks every step while a request waits; one store query."""
+        a = make(num_blocks=40)
+        a.add_request("a", prompt(3, 48), max_tokens=2)
+        run(a)
+        b = make(num_blocks=8, max_num_seqs=4)
+        b.add_request("big", prompt(4, 90), max_tokens=20)
+        b.add_request("w", [*prompt(3, 48), 1], max_tokens=2)
+        calls = []
+        real = side(b)._lookup
+
+        class Counting:
+            def hit_blocks(self, hashes):
+                calls.append(len(hashes))
+                return real.hit_blocks(hashes)
+
+        side(b)._lookup = Counting()
+        run(b)
+        assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 2}
+        assert len(calls) <= 3
+        assert_clean(b)

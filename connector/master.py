@@ -250,8 +250,8 @@ class EmbeddedMaster:
 
     @property
     def pid(self) -> int | None:
-        """The process id, or ``None`` before the first start."""
-        return None if self._proc is None else self._proc.pid
+        """The current (or last) process id; ``None`` before any start."""
+        return self._pids[-1] if self._pids else None
 
     @property
     def pids(self) -> tuple[int, ...]:

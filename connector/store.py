@@ -526,7 +526,7 @@ class BatchResult(Sequence[Outcome]):
     @property
     def ok(self) -> bool:
         """Whether every key succeeded."""
-        return all(o in _SUCCESS for o in self.outcomes)
+        return _num_ok(self.outcomes) == len(self.outcomes)
 
     @property
     def succeeded(self) -> list[bool]:
@@ -536,7 +536,7 @@ class BatchResult(Sequence[Outcome]):
     @property
     def num_ok(self) -> int:
         """How many keys succeeded."""
-        return sum(o in _SUCCESS for o in self.outcomes)
+        return _num_ok(self.outcomes)
 
     @property
     def hit_prefix(self) -> int:
@@ -1076,12 +1076,9 @@ class StoreClient:
             if not self.breaker.allow():
                 return self._short(Op.EXISTS, len(keys), started)
             codes = self._call(self._store.batch_is_exist, keys)
-            hit, miss = Outcome.HIT, Outcome.MISS
-            outcomes = [
-                hit if c == 1 else miss if c == 0 else outcome_of_error(c)
-                for c in codes
-            ]
-            return self._finish(Op.EXISTS, outcomes, codes, 0, started)
+            return self._finish(
+                Op.EXISTS, _exists_outcomes(codes), codes, 0, started
+            )
         finally:
             self._exit()
 
@@ -1117,12 +1114,7 @@ class StoreClient:
                 return self._short(Op.PUT, n, started)
             if not dedupe:
                 codes = self._put(keys, regions)
-                outcomes = [
-                    Outcome.STORED if c == 0 else outcome_of_error(c)
-                    for c in codes
-                ]
-                nbytes = _sum_ok(regions.sizes, outcomes, regions.nbytes)
-                return self._finish(Op.PUT, outcomes, codes, nbytes, started)
+                return self._finish_put(codes, regions, started)
             return self._put_missing(keys, regions, started)
         finally:
             self._exit()
@@ -1160,6 +1152,15 @@ class StoreClient:
                     keys,
                     regions.piece_ptrs,
                     regions.piece_sizes,
+                )
+            if codes == regions.sizes:  # all hits, compared in C
+                return self._finish(
+                    Op.GET,
+                    [Outcome.HIT] * len(codes),
+                    codes,
+                    regions.nbytes,
+                    started,
+                    failed=0,
                 )
             hit = Outcome.HIT
             outcomes = [
@@ -1251,13 +1252,7 @@ class StoreClient:
         n = len(keys)
         if not any(exist) and len(set(keys)) == n:
             # Hot path: nothing stored yet, no duplicates.
-            codes = self._put(keys, regions)
-            stored = [
-                Outcome.STORED if c == 0 else outcome_of_error(c)
-                for c in codes
-            ]
-            nbytes = _sum_ok(regions.sizes, stored, regions.nbytes)
-            return self._finish(Op.PUT, stored, codes, nbytes, started)
+            return self._finish_put(self._put(keys, regions), regions, started)
         outcomes = [Outcome.ALREADY_PRESENT] * n
         codes = [1] * n
         todo: list[int] = []
@@ -1302,6 +1297,25 @@ class StoreClient:
         self.breaker.record(outage=_has_outage(codes))
         return codes
 
+    def _finish_put(
+        self, codes: list[int], regions: Regions, started: float
+    ) -> BatchResult:
+        if not any(codes):  # all stored, checked in C
+            n = len(codes)
+            return self._finish(
+                Op.PUT,
+                [Outcome.STORED] * n,
+                codes,
+                regions.nbytes,
+                started,
+                failed=0,
+            )
+        outcomes = [
+            Outcome.STORED if c == 0 else outcome_of_error(c) for c in codes
+        ]
+        nbytes = _sum_ok(regions.sizes, outcomes, regions.nbytes)
+        return self._finish(Op.PUT, outcomes, codes, nbytes, started)
+
     def _finish(
         self,
         op: Op,
@@ -1309,11 +1323,14 @@ class StoreClient:
         codes: list[int],
         nbytes: int,
         started: float,
+        *,
+        failed: int | None = None,
     ) -> BatchResult:
         result = BatchResult(
             op, outcomes, codes, nbytes, time.perf_counter() - started
         )
-        failed = len(outcomes) - _num_ok(op, outcomes)
+        if failed is None:
+            failed = len(outcomes) - _num_ok(outcomes)
         self.stats.record(result, failed)
         if failed and log.isEnabledFor(logging.DEBUG):
             log.debug("%r", result)
@@ -1344,18 +1361,23 @@ class StoreClient:
                 self._idle.notify_all()
 
 
-_OK_OF: Final[dict[Op, tuple[Outcome, ...]]] = {
-    Op.EXISTS: (Outcome.HIT,),
-    Op.GET: (Outcome.HIT,),
-    Op.REMOVE: (Outcome.HIT,),
-    Op.PUT: (Outcome.STORED, Outcome.ALREADY_PRESENT),
-}
+_OK_ORDER: Final = (Outcome.HIT, Outcome.STORED, Outcome.ALREADY_PRESENT)
 
 
-def _num_ok(op: Op, outcomes: list[Outcome]) -> int:
+def _num_ok(outcomes: list[Outcome]) -> int:
     # NOTE(store): list.count runs in C; a Python loop per key would be
     # visible in the benchmark at 256 KiB x 16.
-    return sum(outcomes.count(ok) for ok in _OK_OF[op])
+    return sum(outcomes.count(ok) for ok in _OK_ORDER)
+
+
+def _exists_outcomes(codes: list[int]) -> list[Outcome]:
+    if codes and min(codes) == 1:  # all present, checked in C
+        return [Outcome.HIT] * len(codes)
+    hit, miss = Outcome.HIT, Outcome.MISS
+    return [
+        hit if c == 1 else miss if c == 0 else outcome_of_error(c)
+        for c in codes
+    ]
 
 
 def _sum_ok(sizes: list[int], outcomes: list[Outcome], total: int) -> int:

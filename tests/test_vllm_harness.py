@@ -117,6 +117,19 @@ class TestExternalLoads:
                 req_id
             ) == consumer.output_token_ids(req_id)
 
+    def test_load_before_forward(self, store):
+        """The GPU-runner order (load first, every step) works as well."""
+        producer = make(store=store)
+        producer.add_request("p", prompt(5, 40), max_tokens=4)
+        producer.run_until_idle(max_steps=50)
+        consumer = make(store=store, load_order="before_forward")
+        consumer.add_request("p", prompt(5, 40), max_tokens=4)
+
+        consumer.run_until_idle(max_steps=50)
+
+        assert consumer.external_hits["p"] == 32
+        assert producer.output_token_ids("p") == consumer.output_token_ids("p")
+
     def test_consumer_never_saves(self, store):
         """A kv_consumer instance leaves the store empty."""
         h = make(store=store, kv_role="kv_consumer")
@@ -186,6 +199,20 @@ class TestChecksCanFail:
         assert "model.layers.1.self_attn.attn" in report.failures[0]
         with pytest.raises(HarnessError, match="first 19"):
             h.run_until_idle(max_steps=50)
+
+    def test_double_free_is_detected(self, store):
+        """A block freed twice drives its reference count negative."""
+        h = make(store=store)
+        h.add_request("r", prompt(4, 40), max_tokens=20)
+        h.step()
+        pool = h.scheduler.kv_cache_manager.block_pool
+        block_id = h.scheduler.kv_cache_manager.get_block_ids("r")[0][0]
+
+        pool.free_blocks([pool.blocks[block_id]] * 2)
+
+        with pytest.raises(HarnessError, match="freed more often"):
+            h.check(final=False)
+        assert any("which is free" in f for f in h.failures)
 
     def test_leaked_blocks_are_detected(self, store):
         """Delay-freed blocks that are never reported sent are a leak."""

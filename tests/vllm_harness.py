@@ -29,23 +29,30 @@ This module imports vLLM lazily, so it imports (and the rest of the suite
 runs) where vLLM is absent; tests that use it call
 `pytest.importorskip("vllm")`.
 
-Facts about vLLM 0.33.0 that the harness relies on (checked against the
-installed source, see the project notes in `CHANGELOG.md`):
+Facts about vLLM 0.33.0 that the harness relies on, read in the installed
+0.33.0 source:
 
 - `vllm_config.use_v2_model_runner` reads `VLLM_USE_V2_MODEL_RUNNER` on
-  every access (the env cache is enabled only by the engine core); with the
-  official wheel on CPU the platform is "unspecified" and the default is
-  the v2 runner.
+  every access (only the engine core turns on vLLM's env cache).
+  Unset, it is True with the official wheel on this CPU, because the
+  platform is "unspecified" and the Triton check is skipped for it.
   Under v2 a resumed request arrives in `scheduled_new_reqs` with its whole
-  block table; under v1 it arrives in `scheduled_cached_reqs` with its id in
-  `resumed_req_ids` and `new_block_ids` replacing the table.
-- Both runners bind metadata, then call `start_load_kv` before the forward
-  only when `scheduler_output.has_sync_kv_loads`, otherwise after it; they
-  collect completions with `get_transfer_results` (whose default wraps
+  block table; under v1 it arrives in `scheduled_cached_reqs`, with its id
+  in `resumed_req_ids` and `new_block_ids` replacing the table.
+- Both runners call `handle_preemptions(meta)` and then
+  `bind_connector_metadata(meta)` first (v1 in `execute_model`, v2 in
+  `pre_forward`), call `start_load_kv` before the forward only when
+  `scheduler_output.has_sync_kv_loads` and after it otherwise, and collect
+  completions with `get_transfer_results` (whose default wraps
   `get_finished`).
-  Only the v1 runner's `execute_model` calls `handle_preemptions` first;
-  the v2 runner calls it in `pre_forward`, also first, and adds
-  `finish_forward()` after the forward.
+  Only v2 calls `finish_forward()` after the forward, passes keyword
+  arguments to `start_load_kv`, and turns empty completion sets into None.
+- The scheduler binds its block pool to its connector once, in
+  `Scheduler.__init__`, through `bind_kv_cache_manager`, whose default calls
+  `bind_gpu_block_pool(kv_cache_manager.block_pool)`.
+  The worker's `build_connector_worker_meta()` result travels in
+  `KVConnectorOutput.kv_connector_worker_meta` to the scheduler side's
+  `update_connector_output`.
 - With async scheduling the engine core keeps a batch queue of
   `vllm_config.max_concurrent_batches` (2 here) steps: step N+1 is
   scheduled (and executed) before `update_from_output` of step N.
@@ -278,6 +285,7 @@ class Harness:
             tuple[SchedulerOutput, ModelRunnerOutput]
         ] = collections.deque()
         self._in_flight_aborts: list[str] = []
+        self._awaiting_resume: set[str] = set()
         self._step_failures: list[str] = []
 
         module, _, class_name = connector.rpartition(".")
@@ -516,10 +524,18 @@ class Harness:
     def add_request(
         self, req_id: str, prompt_token_ids: Sequence[int], max_tokens: int
     ) -> Request:
-        """Add a request that generates exactly `max_tokens` tokens."""
+        """Add a request that generates exactly `max_tokens` tokens.
+
+        An id may be reused once its previous request has finished.
+        """
         from vllm.sampling_params import SamplingParams  # noqa: PLC0415
         from vllm.v1.request import Request  # noqa: PLC0415
 
+        old = self.requests.get(req_id)
+        if old is not None and not old.is_finished():
+            msg = f"request {req_id} is still running"
+            raise ValueError(msg)
+        self.finished_status.pop(req_id, None)
         prompt = list(prompt_token_ids)
         request = Request(
             request_id=req_id,
@@ -567,13 +583,13 @@ class Harness:
         scheduled: dict[str, int] = {}
         preempted: frozenset[str] = frozenset()
         executed: ModelRunnerOutput | None = None
-        update: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         if self.scheduler.has_requests():
             with self._vllm_call("schedule()"):
                 scheduler_output = self.scheduler.schedule()
             scheduled = dict(scheduler_output.num_scheduled_tokens)
             preempted = frozenset(scheduler_output.preempted_req_ids or ())
             self.preempted.extend((self.num_steps, r) for r in preempted)
+            self._awaiting_resume |= preempted
             executed = self._execute(scheduler_output)
             self._batch_queue.appendleft((scheduler_output, executed))
             model_executed = scheduler_output.total_num_scheduled_tokens > 0
@@ -582,7 +598,8 @@ class Harness:
                 model_executed or self.scheduler.has_requests()
             ):
                 return self._report(scheduled, preempted, executed, None)
-        if self._batch_queue:
+        updated = bool(self._batch_queue)
+        if updated:
             update = self._batch_queue.pop()
             if self._in_flight_aborts:
                 aborts, self._in_flight_aborts = self._in_flight_aborts, []
@@ -594,7 +611,9 @@ class Harness:
         if self.check_every_step:
             self._check_contents()
             self._check_block_pool()
-        return self._report(scheduled, preempted, executed, finished)
+        return self._report(
+            scheduled, preempted, executed, finished if updated else None
+        )
 
     def run_until_idle(
         self, max_steps: int = 1000, *, check: bool = True
@@ -776,16 +795,14 @@ class Harness:
     ) -> dict[str, int]:
         """New requests (and, under v2, resumed ones) bring a whole table."""
         starts = {}
-        preempted_before = {r for _, r in self.preempted}
         for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id in preempted_before:
-                self._note_resumed(new.req_id, "scheduled_new_reqs")
+            self._note_resumed(new.req_id, "scheduled_new_reqs")
             self._worker_reqs[new.req_id] = _WorkerRequest(
                 list(new.block_ids[0])
             )
             starts[new.req_id] = new.num_computed_tokens
             tokens = new.prefill_token_ids or new.prompt_token_ids or []
-            self._check_token_prefix(new.req_id, tokens, "new request")
+            self._adopt_tokens(new.req_id, tokens, "new request")
         return starts
 
     def _apply_cached_requests(
@@ -812,24 +829,31 @@ class Harness:
                 self._worker_reqs[req_id].block_ids.extend(new_ids[0])
             starts[req_id] = cached.num_computed_tokens[i]
             if req_id in cached.all_token_ids:
-                self._check_token_prefix(
+                self._adopt_tokens(
                     req_id, cached.all_token_ids[req_id], "resent tokens"
                 )
         return starts
 
     def _note_resumed(self, req_id: str, how: str) -> None:
-        """Record a resumption once per preemption."""
-        preemptions = sum(1 for _, r in self.preempted if r == req_id)
-        resumptions = sum(1 for _, r, _ in self.resumed if r == req_id)
-        if resumptions < preemptions:
+        """Record how a preempted request came back."""
+        if req_id in self._awaiting_resume:
+            self._awaiting_resume.discard(req_id)
             self.resumed.append((self.num_steps, req_id, how))
 
-    def _check_token_prefix(
+    def _adopt_tokens(
         self, req_id: str, tokens: Sequence[int], what: str
     ) -> None:
+        """Take the tokens the scheduler sent, as the runner's state.
+
+        They must be a prefix of what the harness sampled so far; sampled
+        tokens the scheduler dropped are forgotten.
+        """
         known = self._tokens[req_id]
         if list(tokens) != known[: len(tokens)]:
             self._fail(f"{req_id}: {what} disagree with the tokens so far")
+            return
+        del known[len(tokens) :]
+        del self._hashes[req_id][len(tokens) :]
 
     def _slots(self, req_id: str, positions: range) -> torch.Tensor:
         import torch  # noqa: PLC0415
@@ -878,6 +902,8 @@ class Harness:
         tokens = self._tokens[req_id]
         if positions.stop < len(tokens):
             return []  # a partial prefill chunk
+        if positions.stop > len(tokens):
+            return []  # already failed in _forward
         token = sample_token(self._hashes[req_id][positions.stop - 1])
         if positions.stop == len(tokens):
             tokens.append(token)
@@ -893,20 +919,17 @@ class Harness:
         finished: dict[str, str] | None,
     ) -> StepReport:
         kv = executed.kv_connector_output if executed is not None else None
+        sending = (kv.finished_sending if kv else None) or ()
+        recving = (kv.finished_recving if kv else None) or ()
+        invalid = (kv.invalid_block_ids if kv else None) or ()
         return StepReport(
             index=self.num_steps,
             scheduled=scheduled,
             preempted=preempted,
             finished=finished or {},
-            finished_sending=frozenset(kv.finished_sending or ())
-            if kv
-            else frozenset(),
-            finished_recving=frozenset(kv.finished_recving or ())
-            if kv
-            else frozenset(),
-            invalid_block_ids=frozenset(kv.invalid_block_ids)
-            if kv
-            else frozenset(),
+            finished_sending=frozenset(sending),
+            finished_recving=frozenset(recving),
+            invalid_block_ids=frozenset(invalid),
             updated=finished is not None,
             num_free_blocks=self.num_free_blocks,
             failures=list(self._step_failures),
@@ -936,6 +959,7 @@ class Harness:
             if req_id not in self.finished_status and request.is_finished():
                 finished[req_id] = request.status.name
         self.finished_status.update(finished)
+        self._awaiting_resume.difference_update(finished)
         return finished
 
     def _check_contents(self) -> None:

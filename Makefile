@@ -16,8 +16,8 @@ $(STAMP): $(REQS)
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check lifecycle connector tests benchmarks scripts
-	$(PY) -m ruff format --check lifecycle connector tests benchmarks scripts
+	$(PY) -m ruff check lifecycle connector tests benchmarks scripts e2e
+	$(PY) -m ruff format --check lifecycle connector tests benchmarks scripts e2e
 
 typecheck: $(STAMP)
 	$(PY) -m mypy --strict lifecycle connector

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -217,6 +218,8 @@ _COMMANDS: dict[str, Callable[..., Any]] = {
 
 def _child_main(conn: Connection, spec: EngineSpec) -> None:
     """Body of the engine process: build the engine, then serve calls."""
+    # Own process group, so close() can reap whatever vLLM leaves behind.
+    os.setpgid(0, 0)
     try:
         t0 = time.perf_counter()
         configure_env(spec)
@@ -343,6 +346,10 @@ class EngineProcess:
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join()
+            # NOTE(e2e): a killed child leaves vLLM's EngineCore and worker
+            # running (seen in mp mode); they share the child's group.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
         if self._conn is not None:
             self._conn.close()
         self._conn = None

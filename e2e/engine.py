@@ -63,6 +63,8 @@ class EngineSpec:
     enable_prefix_caching: bool = False
     max_num_seqs: int = 8
     max_num_batched_tokens: int | None = None
+    # 128 blocks of 32 tokens keep the pool small; None sizes the
+    # pool from VLLM_CPU_KVCACHE_SPACE (65,536 blocks for the tiny model).
     num_gpu_blocks_override: int | None = 128
     kv_cache_space_gib: int = 1
     seed: int = 0

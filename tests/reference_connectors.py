@@ -115,7 +115,7 @@ class ReferenceConnector(KVConnectorBase_V1):
         At least one token is always left to compute, and hits stay
         block-aligned.
         """
-        limit = (request.num_tokens - 1) // self._block_size
+        limit = int(request.num_tokens - 1) // self._block_size
         hits = 0
         for block_hash in request.block_hashes[:limit]:
             if bytes(block_hash) not in self._store:
@@ -180,7 +180,8 @@ class ReferenceConnector(KVConnectorBase_V1):
             if full <= start:
                 continue
             self._num_saved_blocks[req_id] = full
-            block_ids = (block_state.get_block_ids(req_id) or ([],))[0]
+            tables = block_state.get_block_ids(req_id)
+            block_ids: list[int] = tables[0] if tables else []
             todo = [
                 (block_ids[i], bytes(request.block_hashes[i]))
                 for i in range(start, full)

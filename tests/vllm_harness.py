@@ -70,7 +70,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self, cast
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -90,6 +90,7 @@ if TYPE_CHECKING:
 CACHE_ROOT = Path(__file__).resolve().parent.parent / ".cache" / "vllm"
 
 ModelRunner = Literal["v1", "v2"]
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 LoadOrder = Literal["vllm", "before_forward"]
 
 _VOCAB_SIZE = 512
@@ -236,7 +237,7 @@ class Harness:
         self,
         connector: str,
         *,
-        kv_role: str = "kv_both",
+        kv_role: KVRole = "kv_both",
         extra_config: dict[str, Any] | None = None,
         num_blocks: int = 64,
         block_size: int = 16,
@@ -334,7 +335,7 @@ class Harness:
         module: str,
         class_name: str,
         *,
-        kv_role: str,
+        kv_role: KVRole,
         extra_config: dict[str, Any],
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -431,15 +432,17 @@ class Harness:
         init_none_hash(sha256)
         self._block_hasher = get_request_block_hasher(self.block_size, sha256)
         scheduler_cls = self.vllm_config.scheduler_config.get_scheduler_cls()
-        return scheduler_cls(  # type: ignore[no-any-return]
+        scheduler = scheduler_cls(
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(
                 self.vllm_config
             ),
             block_size=self.block_size,
+            hash_block_size=self.block_size,
             log_stats=False,
         )
+        return cast("Scheduler", scheduler)
 
     def _make_worker_connector(self) -> KVConnectorBase_V1:
         import torch  # noqa: PLC0415
@@ -465,7 +468,7 @@ class Harness:
             for name in self.layer_names
         }
         connector.register_kv_caches(self.kv_caches)
-        return connector  # type: ignore[return-value]
+        return connector
 
     def _spy_on_scheduler_connector(self) -> None:
         """Count external hits as the scheduler hands them to the connector."""
@@ -478,7 +481,11 @@ class Harness:
             self.external_hits[request.request_id] += num_external_tokens
             original(request, blocks, num_external_tokens)
 
-        connector.update_state_after_alloc = update_state_after_alloc  # type: ignore[method-assign]
+        # NOTE(harness): an instance attribute shadows the method; the
+        # scheduler calls it through `self.connector`.
+        connector.update_state_after_alloc = (  # type: ignore[method-assign]
+            update_state_after_alloc
+        )
 
     # ------------------------------------------------------------ accessors
 
@@ -655,7 +662,7 @@ class Harness:
     def close(self) -> None:
         """Shut both connector instances and the scheduler down."""
         with contextlib.suppress(Exception):
-            self.worker_connector.shutdown()
+            self.worker_connector.shutdown()  # type: ignore[no-untyped-call]
         with contextlib.suppress(Exception):
             self.scheduler.shutdown()
 
@@ -680,7 +687,8 @@ class Harness:
 
         with self._vllm_call("model runner"):
             positions = self._update_worker_states(scheduler_output)
-            attn_metadata = self._attn_metadata(positions)
+            # NOTE(harness): a stand-in, not vLLM's AttentionMetadata.
+            attn_metadata: Any = self._attn_metadata(positions)
             forward_context = ForwardContext(
                 no_compile_layers={
                     name: _LayerStub(name, [kv])
@@ -715,13 +723,15 @@ class Harness:
                     connector.finish_forward()
                 if not load_first:
                     connector.start_load_kv(forward_context, **load_kwargs)
-                connector.wait_for_save()
+                connector.wait_for_save()  # type: ignore[no-untyped-call]
                 results = connector.get_transfer_results(
                     scheduler_output.finished_req_ids
                 )
                 # NOTE(harness): the v2 runner turns empty sets into None;
                 # the v1 runner passes them on as they are.
-                empty = None if self.model_runner == "v2" else set()
+                empty: set[str] | None = (
+                    None if self.model_runner == "v2" else set()
+                )
                 kv_output = KVConnectorOutput(
                     finished_sending=results.finished_sending or empty,
                     finished_recving=results.finished_recving or empty,
@@ -875,7 +885,7 @@ class Harness:
         return _AttnMetadata(slot_mapping, int(slot_mapping.numel()))
 
     def _forward(
-        self, positions: dict[str, range], attn_metadata: _AttnMetadata
+        self, positions: dict[str, range], attn_metadata: Any
     ) -> None:
         """Write each scheduled token's KV, layer by layer, with the hooks."""
         connector = self.worker_connector

@@ -268,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m benchmarks.transfer``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON")
-    parser.add_argument("--reps", type=int, default=41, help="small rows")
+    parser.add_argument("--reps", type=int, default=101, help="small rows")
     parser.add_argument(
-        "--reps-large", type=int, default=15, help="rows of >= 64 MiB"
+        "--reps-large", type=int, default=31, help="rows of >= 64 MiB"
     )
     parser.add_argument(
         "--segment-mib", type=int, default=640, help="store segment (MiB)"

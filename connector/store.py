@@ -1104,10 +1104,10 @@ class StoreClient:
 
         With ``dedupe`` (the default) one ``batch_is_exist`` runs first and
         only missing keys are written, so a repeated prefix costs no
-        transfer and reports ALREADY_PRESENT. Without it every key is
-        written and reports STORED (Mooncake keeps the old value of an
-        existing key either way). A key repeated within the batch is
-        written once.
+        transfer and reports ALREADY_PRESENT, and a key repeated within
+        the batch is written once. Without it every key is sent and
+        reports STORED (Mooncake keeps the old value of an existing key
+        either way); use that only when the caller has just looked up.
 
         Raises:
             RegionError: ``regions`` do not match ``keys``.

@@ -302,7 +302,9 @@ class StoreConfig:
     format) plus this client's own keys; defaults follow vLLM's
     ``MooncakeStoreConfig`` (``protocol="rdma"``, 4 GiB segment and
     buffer). Construction, ``attrs.evolve`` and every ``from_*`` raise
-    ``ConfigError`` naming the first bad key.
+    ``ConfigError`` naming the first bad key. The constructor takes typed
+    values (sizes as ints); ``from_*`` and ``for_master`` also parse size
+    strings such as ``"4GB"``.
 
     Attributes:
         master_server_address: ``host:port`` of ``mooncake_master`` RPC.

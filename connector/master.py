@@ -451,14 +451,18 @@ class EmbeddedMaster:
         env.setdefault("GLOG_minloglevel", "1")
         log.debug("starting mooncake_master: %s", " ".join(argv))
         self._tail.clear()
-        proc = subprocess.Popen(  # noqa: S603 - argv built from our flags
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        try:
+            proc = subprocess.Popen(  # noqa: S603 - argv built from our flags
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            reason = f"cannot execute {argv[0]}: {exc}"
+            raise MasterStartError(reason, None, attempt, ()) from exc
         self._proc = proc
         self._pids.append(proc.pid)
         self._finalizer = weakref.finalize(

@@ -192,6 +192,11 @@ class TestWithoutMaster:
         assert lines
         assert lines[0].levelno == logging.ERROR
 
+    def test_missing_binary_is_a_start_error(self, tmp_path):
+        master = EmbeddedMaster(binary=tmp_path / "nope", start_attempts=1)
+        with pytest.raises(MasterStartError, match="cannot execute"):
+            master.start()
+
     def test_never_ready_times_out(self, tmp_path):
         """A process that never serves /health fails within the bound."""
         binary = fake_binary(tmp_path, "exec sleep 30")

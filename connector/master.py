@@ -123,6 +123,39 @@ def find_binary() -> Path:
     raise MasterBinaryNotFoundError(tuple(searched))
 
 
+def _task_states(pid: int) -> list[str]:
+    """The state letter of every thread of ``pid`` (Linux ``/proc``)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue
+    return states
+
+
+def _wait_stopped(pid: int, *, stopped: bool, timeout_s: float) -> None:
+    """Wait until all threads of ``pid`` are (not) in the stopped state."""
+    if not Path("/proc/self/task").is_dir():  # pragma: no cover - not Linux
+        time.sleep(0.1)
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = _task_states(pid)
+        if states and all((s in {"T", "t"}) == stopped for s in states):
+            return
+        if time.monotonic() >= deadline:
+            log.warning(
+                "mooncake_master pid %d: threads not %s after %.1f s (%s)",
+                pid,
+                "stopped" if stopped else "running",
+                timeout_s,
+                "".join(states),
+            )
+            return
+        time.sleep(0.005)
+
+
 def _stop_process(
     proc: subprocess.Popen[bytes], timeout_s: float
 ) -> int | None:
@@ -393,15 +426,24 @@ class EmbeddedMaster:
             self._state = MasterState.KILLED
 
     def pause(self) -> None:
-        """SIGSTOP the master: it keeps its sockets but answers nothing."""
+        """SIGSTOP the master: it keeps its sockets but answers nothing.
+
+        Returns once every thread of the process is stopped (signals are
+        delivered asynchronously; without the wait a request sent right
+        after ``pause()`` may still be answered).
+        """
         with self._lock:
-            self._require_proc("pause").send_signal(signal.SIGSTOP)
+            proc = self._require_proc("pause")
+            proc.send_signal(signal.SIGSTOP)
+            _wait_stopped(proc.pid, stopped=True, timeout_s=2.0)
             self._state = MasterState.PAUSED
 
     def resume(self) -> None:
-        """SIGCONT a paused master."""
+        """SIGCONT a paused master; returns once it runs again."""
         with self._lock:
-            self._require_proc("resume").send_signal(signal.SIGCONT)
+            proc = self._require_proc("resume")
+            proc.send_signal(signal.SIGCONT)
+            _wait_stopped(proc.pid, stopped=False, timeout_s=2.0)
             self._state = MasterState.RUNNING
 
     def is_ready(self) -> bool:

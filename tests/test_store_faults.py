@@ -23,6 +23,7 @@ pytestmark = pytest.mark.mooncake
 BLOCK = 256 * 1024
 RPC_TIMEOUT_MS = 1000
 SLACK_S = 1.0
+FAST_S = 0.25  # a short-circuited call; generous for a loaded machine
 OUTAGE = {Outcome.MASTER_UNREACHABLE, Outcome.TIMEOUT}
 SUCCESS = {Outcome.HIT, Outcome.STORED, Outcome.ALREADY_PRESENT}
 
@@ -128,7 +129,7 @@ def test_killed_master_then_restart(fault_env, kv_blocks):
         lambda: client.get(keys, out.regions(range(8))),
     ):
         result, elapsed = timed(call)
-        assert elapsed < 0.05, f"{elapsed:.3f} s"
+        assert elapsed < FAST_S, f"{elapsed:.3f} s"
         assert {Outcome.MASTER_UNREACHABLE} == set(result)
         assert result.short_circuited
     assert not client.healthy()
@@ -171,7 +172,7 @@ def test_paused_master_then_resume(fault_env, kv_blocks):
     assert slow <= 1
     # Afterwards: answered at once (the breaker is open).
     result, elapsed = timed(client.get, keys, out.regions(range(8)))
-    assert elapsed < 0.05, f"{elapsed:.3f} s"
+    assert elapsed < FAST_S, f"{elapsed:.3f} s"
     assert {Outcome.MASTER_UNREACHABLE} == set(result)
 
     master.resume()

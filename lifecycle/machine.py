@@ -14,10 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from typing import Final, Protocol
 
-import attrs
 from transitions import EventData, Machine
 
 from lifecycle._ratelimit import RateLimitedLog
@@ -74,11 +72,8 @@ class _TxCallback:
         self.target(event_data.model)
 
 
-@attrs.frozen
-class _Compiled:
-    index: int
-    dest: State
-    after: tuple[Callback, ...]
+# A compiled row: (dest, callbacks run after the change, row index).
+_Compiled = tuple[State, tuple[Callback, ...], int]
 
 
 class LifecycleMachine(Machine):
@@ -156,14 +151,14 @@ class LifecycleMachine(Machine):
             for source_name, transitions in tx_event.transitions.items():
                 (tx,) = transitions  # one row per (state, event): validated
                 source = State[source_name]
-                dispatch[event][source] = _Compiled(
-                    index=index[(source, event)],
-                    dest=State[str(tx.dest)],
-                    after=tuple(
+                dispatch[event][source] = (
+                    State[str(tx.dest)],
+                    tuple(
                         cb.target
                         for cb in tx.after
                         if isinstance(cb, _TxCallback)
                     ),
+                    index[(source, event)],
                 )
         return dispatch
 
@@ -174,10 +169,7 @@ class LifecycleMachine(Machine):
         attribute lookups, tuples instead of records.  Bound to this
         machine only: trackers never see it.
         """
-        fast = {
-            event: {s: (c.dest, c.after, c.index) for s, c in rows.items()}
-            for event, rows in self._dispatch.items()
-        }
+        fast = self._dispatch
         counts = self._counts
         acquire, release = self._lock.acquire, self._lock.release
         illegal, stale = self._illegal, self._stale
@@ -310,6 +302,3 @@ class LifecycleMachine(Machine):
     def illegal_total(self) -> int:
         """Illegal orderings seen so far (unknown ids included)."""
         return sum(self.illegal_counts.values())
-
-    def __iter__(self) -> Iterator[Row]:
-        return iter(self._rows)

@@ -1078,20 +1078,9 @@ class StoreClient:
         A HIT grants the object a read lease (the master's
         ``default_kv_lease_ttl``), so it cannot be evicted right away.
         """
-        started = time.perf_counter()
-        keys = keys if isinstance(keys, list) else list(keys)
-        if not keys:
-            return BatchResult(Op.EXISTS, [], [], num_failed=0)
-        self._enter("exists")
-        try:
-            if not self.breaker.allow():
-                return self._short(Op.EXISTS, len(keys), started)
-            codes = self._call(self._store.batch_is_exist, keys)
-            return self._finish(
-                Op.EXISTS, _exists_outcomes(codes), codes, 0, started
-            )
-        finally:
-            self._exit()
+        return self._lookup_call(
+            Op.EXISTS, keys, _exists_outcomes, self._store.batch_is_exist
+        )
 
     def put(
         self,
@@ -1195,21 +1184,9 @@ class StoreClient:
         Without ``force`` a leased key (read recently) is not removed
         (``OTHER``, code ``-706``).
         """
-        started = time.perf_counter()
-        keys = keys if isinstance(keys, list) else list(keys)
-        if not keys:
-            return BatchResult(Op.REMOVE, [], [], num_failed=0)
-        self._enter("remove")
-        try:
-            if not self.breaker.allow():
-                return self._short(Op.REMOVE, len(keys), started)
-            codes = self._call(self._store.batch_remove, keys, force)
-            outcomes = [
-                Outcome.HIT if c == 0 else outcome_of_error(c) for c in codes
-            ]
-            return self._finish(Op.REMOVE, outcomes, codes, 0, started)
-        finally:
-            self._exit()
+        return self._lookup_call(
+            Op.REMOVE, keys, _remove_outcomes, self._store.batch_remove, force
+        )
 
     def remove_all(self, *, force: bool = True) -> int:
         """Remove every object of the whole store (all namespaces).
@@ -1294,6 +1271,28 @@ class StoreClient:
                 else:
                     outcomes[i] = outcome_of_error(code)
         return self._finish(Op.PUT, outcomes, codes, nbytes, started)
+
+    def _lookup_call(
+        self,
+        op: Op,
+        keys: Sequence[str],
+        outcomes_of: Callable[[list[int]], list[Outcome]],
+        fn: Callable[..., list[int]],
+        *args: Any,
+    ) -> BatchResult:
+        """One keys-only batch call (no data moved), guarded and timed."""
+        started = time.perf_counter()
+        keys = keys if isinstance(keys, list) else list(keys)
+        if not keys:
+            return BatchResult(op, [], [], num_failed=0)
+        self._enter(op.value)
+        try:
+            if not self.breaker.allow():
+                return self._short(op, len(keys), started)
+            codes = self._call(fn, keys, *args)
+            return self._finish(op, outcomes_of(codes), codes, 0, started)
+        finally:
+            self._exit()
 
     def _call(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
         """One Mooncake batch call; feeds RPC failures to the breaker."""
@@ -1386,6 +1385,11 @@ def _num_ok(outcomes: list[Outcome]) -> int:
     # NOTE(store): list.count runs in C; a Python loop per key would be
     # visible in the benchmark at 256 KiB x 16.
     return sum(outcomes.count(ok) for ok in _OK_ORDER)
+
+
+def _remove_outcomes(codes: list[int]) -> list[Outcome]:
+    """Remove codes: 0 is HIT (removed), else the error's outcome."""
+    return [Outcome.HIT if c == 0 else outcome_of_error(c) for c in codes]
 
 
 def _exists_outcomes(codes: list[int]) -> list[Outcome]:

@@ -71,6 +71,14 @@ def run(h, max_steps=3000, deadline_s=60.0):
     h.check()
 
 
+def store_prefix(make, seed, length):
+    """Another instance saves `prompt(seed, length)`; it stays alive."""
+    a = make(num_blocks=40)
+    a.add_request("a", prompt(seed, length), max_tokens=2)
+    run(a)
+    return a
+
+
 def side(h):
     return h.scheduler_connector.scheduler_side
 
@@ -132,9 +140,7 @@ class TestScenarios:
 
     def test_abort_during_async_load(self, make):
         """Aborted while its KV arrives: one receive completion, no leak."""
-        a = make(num_blocks=40)
-        a.add_request("a", prompt(5, 64), max_tokens=2)
-        run(a)
+        store_prefix(make, 5, 64)
         b = make(num_blocks=40)
         b.add_request("b", [*prompt(5, 64), 9], max_tokens=8)
         b.step()
@@ -150,9 +156,7 @@ class TestScenarios:
 
     def test_load_failure_becomes_recompute(self, make):
         """A failed load is reported, recomputed, and never serves bad KV."""
-        a = make(num_blocks=40)
-        a.add_request("a", prompt(7, 64), max_tokens=2)
-        run(a)
+        store_prefix(make, 7, 64)
         b = make(num_blocks=40)
         worker = b.worker_connector.worker_side
         real_get = worker._store.get
@@ -195,9 +199,7 @@ class TestScenarios:
 
     def test_repeated_lookups_while_waiting_are_idempotent(self, make):
         """vLLM asks every step while a request waits; one store query."""
-        a = make(num_blocks=40)
-        a.add_request("a", prompt(3, 48), max_tokens=2)
-        run(a)
+        store_prefix(make, 3, 48)
         b = make(num_blocks=8, max_num_seqs=4)
         b.add_request("big", prompt(4, 90), max_tokens=20)
         b.add_request("w", [*prompt(3, 48), 1], max_tokens=2)

@@ -51,12 +51,6 @@ def release(client: StoreClient) -> None:
                 return
 
 
-def references(client: StoreClient) -> int:
-    """How many connector instances hold `client`."""
-    with _LOCK:
-        return next((r for c, r in _CLIENTS.values() if c is client), 0)
-
-
 @atexit.register
 def close_all() -> None:
     """Close every client (at process exit, or when a test is done)."""

@@ -160,6 +160,11 @@ class TestPolicy:
             (State.NEW, E.ALLOC_LOCAL): 1,
         }
         assert seen[-1] == ("r", State.NEW, E.ALLOC_LOCAL, State.SAVING)
+        assert machine.can_fire(t, E.PREEMPT)
+        assert not machine.can_fire(t, E.LOAD_DONE)
+        machine.remove_observer(machine._observers[0])
+        machine.fire(t, E.SAVE_ISSUED)
+        assert len(seen) == 3
 
 
 class TestTracker:

@@ -28,6 +28,9 @@ from lifecycle import Event, LifecycleMachine, Registry, State, Tracker
 log: Final = logging.getLogger(__name__)
 
 _ABORT_STATUSES: Final = frozenset({"FINISHED_ABORTED", "FINISHED_ERROR"})
+# A load is issued even if vLLM finished the request since the allocation
+# (DRAINING): vLLM keeps its blocks until the one receive completion.
+_LOAD_STATES: Final = frozenset({State.LOADING, State.DRAINING})
 
 
 class Role(enum.Enum):
@@ -198,7 +201,7 @@ class SchedulerSide:
         jobs.extend(
             self._issue_load(t)
             for t in self._loads_to_issue
-            if t.state is State.LOADING and t.load_job < 0
+            if t.state in _LOAD_STATES and t.load_job < 0
         )
         self._loads_to_issue.clear()
         scheduled = so.num_scheduled_tokens

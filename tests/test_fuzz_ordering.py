@@ -1,0 +1,795 @@
+"""Ordering fuzzer: arbitrary interleavings of vLLM's connector hooks.
+
+A hypothesis `RuleBasedStateMachine` drives the connector's scheduler half
+(`connector.scheduler.SchedulerSide`) and worker half
+(`connector.worker.WorkerSide`) with real parts: vLLM 0.33's `Request`
+(real block hashes), `BlockPool` and `KVConnectorOutput`, CPU KV tensors
+and the real `mooncake_master`.  A small reference model plays vLLM: which
+ids it tracks, which blocks it handed out, which requests wait for their
+KV.  Rules produce what vLLM does (lookups, allocations, scheduling steps
+with preemptions, finishes, output updates with async-scheduling
+reordering) and what it should not (duplicate finishes, finish before
+lookup, lookups repeated without allocation, preemption of a loading
+request, completions and job results for unknown, finished or still
+loading ids, preempted ids vLLM does not track).
+
+Invariants, checked after every rule:
+
+- no exception escapes a hook (a rule raising fails the run);
+- receive completions reach vLLM only for a request whose load vLLM
+  awaits, at most once per load; delayed frees get exactly one send
+  completion;
+- the connector pins only blocks a live request holds and releases each
+  pin exactly once (checked on vLLM's real block pool);
+- loaded blocks hold exactly the deterministic content of their hash;
+- a finished request leaves no tracker;
+- at the end of each example, after draining: no tracker, no open job,
+  every block free, no request left waiting for its KV.
+
+Budget: ``FUZZ_PROFILE=ci`` (default, derandomized, `FUZZ_EXAMPLES`
+examples, 25 by default) or ``FUZZ_PROFILE=long`` (``make fuzz``).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+import hashlib
+import os
+import time
+import uuid
+
+import attrs
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+pytest.importorskip("vllm")
+
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request, RequestStatus
+
+from connector.keys import KeyScheme, Layout
+from connector.metadata import JobKind, JobResult, TransferJob, WorkerReport
+from connector.scheduler import Role, SchedulerSide
+from connector.store import Regions
+from connector.vllm_connector import LifecycleWorkerMetadata, _StoreLookup
+from connector.worker import KVLayout, WorkerSide
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
+
+BS = 16  # tokens per block
+NUM_BLOCKS = 20  # including vLLM's null block 0
+LAYERS = 2
+LAYER_BYTES = 1024
+FAMILIES = 4  # prompt families; 0 and 1 are stored before the run
+LENGTHS = (20, 33, 48, 64, 70)
+MAX_QUEUE = 3  # outputs awaiting update_from_output (async scheduling)
+SETTLE_S = 10.0  # bound on any transfer (the master is healthy)
+
+settings.register_profile(
+    "fuzz-ci",
+    max_examples=int(os.environ.get("FUZZ_EXAMPLES", "300")),
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    # NOTE(reliab): shrinking a stateful run costs minutes; CI reports the
+    # unshrunk (derandomized, so reproducible) run, `make fuzz` shrinks.
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "fuzz-long",
+    max_examples=int(os.environ.get("FUZZ_EXAMPLES", "2000")),
+    stateful_step_count=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+COVERAGE: collections.Counter[str] = collections.Counter()
+PROFILE = settings.get_profile(
+    "fuzz-long" if os.environ.get("FUZZ_PROFILE") == "long" else "fuzz-ci"
+)
+
+
+def prompt(family, length):
+    return [(family * 37 + i * 11) % 500 for i in range(length)]
+
+
+@functools.cache
+def expected(block_hash: bytes) -> torch.Tensor:
+    """The KV every layer of a block with this hash holds, `[LAYERS, B]`."""
+    digest = hashlib.blake2b(bytes(block_hash), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest) >> 1)
+    return torch.randint(
+        0, 256, (LAYERS, LAYER_BYTES), dtype=torch.uint8, generator=gen
+    )
+
+
+class Env:
+    """Module-wide parts: KV tensors registered once, a fresh namespace."""
+
+    def __init__(self, client):
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BS, sha256)
+        self.client = client
+        self.kv = {
+            f"layer{i}": torch.zeros(
+                NUM_BLOCKS, LAYER_BYTES, dtype=torch.uint8
+            )
+            for i in range(LAYERS)
+        }
+        for tensor in self.kv.values():
+            client.register_tensor(tensor)
+        self.layout = KVLayout.from_tensors(self.kv, NUM_BLOCKS)
+        self.scheme = KeyScheme(
+            namespace=f"fuzz-{uuid.uuid4().hex[:8]}",
+            model="fuzz",
+            tp_rank=0,
+            tp_size=1,
+            layout=Layout("uint8", BS, LAYERS * LAYER_BYTES, detail="2l"),
+        )
+        self.lookup = _StoreLookup(client, (self.scheme,))
+
+    def request(self, req_id, family, length):
+        return Request(
+            request_id=req_id,
+            prompt_token_ids=prompt(family, length),
+            sampling_params=SamplingParams(
+                max_tokens=4, ignore_eos=True, detokenize=False
+            ),
+            pooling_params=None,
+            block_hasher=self.hasher,
+        )
+
+    def write(self, block_id, block_hash):
+        content = expected(block_hash)
+        for i, tensor in enumerate(self.kv.values()):
+            tensor[block_id] = content[i]
+
+    def holds(self, block_id, block_hash):
+        content = expected(block_hash)
+        return all(
+            torch.equal(tensor[block_id], content[i])
+            for i, tensor in enumerate(self.kv.values())
+        )
+
+    def seed_store(self):
+        """Store families 0 and 1 (full length) as another instance would."""
+        for family in (0, 1):
+            hashes = self.request("seed", family, max(LENGTHS)).block_hashes
+            ids = list(range(1, len(hashes) + 1))
+            for block_id, block_hash in zip(ids, hashes, strict=True):
+                self.write(block_id, block_hash)
+            regions = Regions.pieces(*self.layout.pieces(ids))
+            result = self.client.put(self.scheme.keys(hashes), regions)
+            assert result.ok, list(result)
+
+    def close(self):
+        for tensor in self.kv.values():
+            self.client.unregister(tensor.data_ptr())
+
+
+@pytest.fixture(scope="module")
+def env(store_client):
+    made = Env(store_client)
+    made.seed_store()
+    yield made
+    made.close()
+
+
+class PinSpy:
+    """vLLM's real block pool, seen by the connector; counts its pins."""
+
+    def __init__(self, pool, violations):
+        self.pool = pool
+        self.blocks = pool.blocks
+        self.touched = collections.Counter()
+        self.freed = collections.Counter()
+        self.violations = violations
+
+    def touch(self, blocks):
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                self.violations.append(f"pinned free block {block.block_id}")
+            self.touched[block.block_id] += 1
+        self.pool.touch(blocks)
+
+    def free_blocks(self, ordered_blocks):
+        blocks = list(ordered_blocks)
+        for block in blocks:
+            self.freed[block.block_id] += 1
+            if self.freed[block.block_id] > self.touched[block.block_id]:
+                self.violations.append(
+                    f"block {block.block_id} released more often than pinned"
+                )
+        self.pool.free_blocks(blocks)
+
+    @property
+    def pinned(self):
+        return sum((self.touched - self.freed).values())
+
+
+class Status(enum.Enum):
+    """What vLLM's scheduler thinks of a request."""
+
+    WAITING = "waiting"  # queued, or preempted and queued again
+    LOADING = "loading"  # WAITING_FOR_REMOTE_KVS
+    RUNNING = "running"
+    HELD = "held"  # finished while loading: blocks kept until recv
+    GONE = "gone"  # finished and freed
+
+
+@attrs.define(eq=False)
+class Ref:
+    """vLLM's view of one request."""
+
+    request: Request
+    status: Status = Status.WAITING
+    blocks: list = attrs.field(factory=list)
+    computed: int = 0
+    lookup: tuple[int, int] | None = None  # (local tokens, external)
+    table_sent: bool = False
+    ever_scheduled: bool = False
+    load: TransferJob | None = None  # the load job vLLM awaits
+
+    @property
+    def req_id(self):
+        return self.request.request_id
+
+    @property
+    def hashes(self):
+        return self.request.block_hashes
+
+    @property
+    def length(self):
+        return self.request.num_prompt_tokens
+
+
+@attrs.define
+class Output:
+    """A scheduled step's model-runner output, awaiting its update."""
+
+    kv: KVConnectorOutput
+    step: int
+
+
+class OrderingFuzzer(RuleBasedStateMachine):
+    """vLLM (the reference model) driving the connector's two halves."""
+
+    def __init__(self, env):
+        super().__init__()
+        self.env = env
+        for tensor in env.kv.values():
+            tensor.zero_()
+        self.violations: list[str] = []
+        self.pool = BlockPool(NUM_BLOCKS, enable_caching=False,
+                              hash_block_size=BS)  # fmt: skip
+        self.spy = PinSpy(self.pool, self.violations)
+        self.side = SchedulerSide(
+            block_size=BS, role=Role.BOTH, lookup=env.lookup
+        )
+        self.side.bind_block_pool(self.spy)
+        self.worker = WorkerSide(env.client, env.scheme, env.layout, Regions)
+        self.refs: dict[str, Ref] = {}
+        self.outputs: collections.deque[Output] = collections.deque()
+        self.finished_since_step: set[str] = set()
+        self.jobs_issued = 0
+        self.settled_jobs: set[int] = set()
+        self.jobs: dict[int, TransferJob] = {}
+        self.next_id = 0
+        self.runner = "v2"
+        self.recv_delivered = collections.Counter()
+        self.send_delivered = collections.Counter()
+        self.delayed: set[str] = set()
+
+    # -- helpers --------------------------------------------------------------
+
+    def live(self, *statuses):
+        return sorted(
+            r for r, ref in self.refs.items() if ref.status in statuses
+        )
+
+    def pick(self, ids, n):
+        return self.refs[ids[n % len(ids)]]
+
+    def free(self, ref):
+        if any(self.spy.touched[b.block_id] > self.spy.freed[b.block_id]
+               for b in ref.blocks):  # fmt: skip
+            COVERAGE["pins outlived their request"] += 1
+        if ref.blocks:
+            self.pool.free_blocks(reversed(ref.blocks))
+        ref.blocks = []
+
+    def end(self, ref, status):
+        ref.request.status = status
+        delay, _ = self.side.request_finished(
+            ref.request, [b.block_id for b in ref.blocks]
+        )
+        if delay:
+            self.delayed.add(ref.req_id)
+        self.finished_since_step.add(ref.req_id)
+        if ref.status in (Status.GONE, Status.HELD):
+            return  # a duplicate finish: only the hook sees it
+        if ref.status is Status.LOADING:
+            COVERAGE["finished while loading"] += 1
+            ref.status = Status.HELD  # vLLM awaits the receive completion
+        else:
+            ref.status = Status.GONE
+            if not delay:
+                self.free(ref)
+
+    def wait_for_transfers(self):
+        worker = self.worker
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline:
+            done = sum(worker.jobs_done.values())
+            if done + sum(worker.jobs_failed.values()) >= self.jobs_issued:
+                return
+            time.sleep(0.001)
+        self.violations.append(f"transfers not done within {SETTLE_S} s")
+
+    # -- vLLM's rules ------------------------------------------------------
+
+    @initialize(
+        runner=st.sampled_from(["v1", "v2"]),
+        families=st.lists(st.integers(0, FAMILIES - 1), max_size=4),
+    )
+    def start(self, runner, families):
+        """Pick the model runner; a few requests arrive at once."""
+        self.runner = runner
+        for i, family in enumerate(families):
+            self.add_request(family, LENGTHS[(family + i) % len(LENGTHS)], 1)
+
+    @rule(
+        family=st.integers(0, FAMILIES - 1),
+        length=st.sampled_from(LENGTHS),
+        reuse=st.integers(0, 50),
+    )
+    def add_request(self, family, length, reuse):
+        """A new request; sometimes it reuses the id of a finished one."""
+        gone = self.live(Status.GONE)
+        if gone and reuse % 3 == 0:
+            req_id = gone[reuse % len(gone)]
+        else:
+            req_id = f"r{self.next_id}"
+            self.next_id += 1
+        request = self.env.request(req_id, family, length)
+        self.refs[req_id] = Ref(request)
+        self.side.on_new_request(request)
+
+    @precondition(lambda self: self.refs)
+    @rule(n=st.integers(0, 50), local=st.integers(0, 2))
+    def lookup(self, n, local):
+        """vLLM asks (again and again, or for a running request)."""
+        ids = self.live(Status.WAITING, Status.RUNNING)
+        if not ids:
+            return
+        self.ask(self.pick(ids, n), local)
+
+    def ask(self, ref, local):
+        """`get_num_new_matched_tokens` as vLLM calls it."""
+        local_tokens = min(local * BS, (ref.length - 1) // BS * BS)
+        ext, load_async = self.side.get_num_new_matched_tokens(
+            ref.request, local_tokens
+        )
+        if ext < 0 or ext % BS or local_tokens + ext >= ref.length:
+            self.violations.append(f"{ref.req_id}: bad hit {ext}")
+        if load_async != (ext > 0):
+            self.violations.append(f"{ref.req_id}: async flag {load_async}")
+        if ref.status is Status.WAITING:
+            ref.lookup = (local_tokens, ext)
+
+    @precondition(lambda self: self.live(Status.WAITING))
+    @rule(n=st.integers(0, 50))
+    def allocate(self, n):
+        """Admit a looked-up waiting request: blocks, then the hook."""
+        ids = [r for r in self.live(Status.WAITING) if self.refs[r].lookup]
+        if ids:
+            self.admit(self.pick(ids, n))
+
+    def admit(self, ref):
+        """Allocate a looked-up request's blocks, then tell the connector."""
+        need = -(-ref.length // BS)
+        if need > self.pool.get_num_free_blocks():
+            return
+        ref.blocks = self.pool.get_new_blocks(need)
+        local, ext = ref.lookup
+        ref.lookup = None
+        for i in range(local // BS):  # vLLM's own prefix-cache hit
+            self.env.write(ref.blocks[i].block_id, ref.hashes[i])
+        self.side.update_state_after_alloc(
+            ref.request, KVCacheBlocks((ref.blocks,)), ext
+        )
+        ref.computed = local + ext
+        ref.table_sent = False
+        ref.status = Status.LOADING if ext else Status.RUNNING
+
+    @precondition(lambda self: len(self.outputs) < MAX_QUEUE)
+    @rule(
+        preempt=st.sets(st.integers(0, 50), max_size=2),
+        odd_preempt=st.sampled_from(["", "loading", "gone", "unknown"]),
+        chunk=st.sampled_from([BS, 2 * BS, 40, 128]),
+        wait=st.booleans(),
+        admit=st.integers(0, 3),
+        local=st.integers(0, 2),
+    )
+    def schedule(self, *, preempt, odd_preempt, chunk, wait, admit, local):
+        """One step: preempt, admit, build the metadata, run the worker."""
+        preempted = self.preempt(preempt, odd_preempt)
+        for req_id in self.live(Status.WAITING)[:admit]:
+            if req_id not in preempted:
+                self.ask(self.refs[req_id], local)
+                self.admit(self.refs[req_id])
+        new_reqs, cached, scheduled = self.batch(chunk)
+        so = SchedOut(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=scheduled,
+            preempted_req_ids=preempted,
+            finished_req_ids=set(self.finished_since_step),
+        )
+        self.finished_since_step.clear()
+        meta = self.side.build_connector_meta(so)
+        self.check_jobs(meta)
+        self.execute(meta, scheduled, wait=wait)
+
+    def preempt(self, picks, odd_preempt):
+        """vLLM preempts running requests (and frees their blocks)."""
+        preempted = set()
+        running = self.live(Status.RUNNING)
+        for n in picks:
+            if running:
+                preempted.add(self.pick(running, n).req_id)
+        COVERAGE["preemptions"] += len(preempted)
+        for req_id in preempted:
+            ref = self.refs[req_id]
+            self.free(ref)
+            ref.status = Status.WAITING
+            ref.computed = 0
+            ref.lookup = None
+        odd = {
+            "loading": self.live(Status.LOADING),
+            "gone": self.live(Status.GONE),
+            "unknown": ["never-seen"],
+        }.get(odd_preempt, [])
+        preempted.update(odd[:1])
+        return preempted
+
+    def batch(self, chunk):
+        """Schedule a prefill chunk of every running request."""
+        new_reqs, cached = [], CachedReqs()
+        scheduled = {}
+        for req_id in self.live(Status.RUNNING):
+            ref = self.refs[req_id]
+            todo = min(chunk, ref.length - ref.computed)
+            if todo <= 0:
+                continue
+            scheduled[req_id] = todo
+            table = [b.block_id for b in ref.blocks]
+            if ref.table_sent:
+                cached.add(req_id, None, ref.computed, resumed=False)
+            elif ref.ever_scheduled and self.runner == "v1":
+                cached.add(req_id, (table,), ref.computed, resumed=True)
+            else:
+                new_reqs.append(NewReq(req_id, (table,), ref.computed))
+            ref.table_sent = ref.ever_scheduled = True
+        return new_reqs, cached, scheduled
+
+    def execute(self, meta, scheduled, *, wait):
+        """The model runner: forward (writes KV), then the worker hooks."""
+        for req_id, todo in scheduled.items():
+            ref = self.refs[req_id]
+            end = ref.computed + todo
+            last = min(end // BS, len(ref.hashes))
+            for i in range(ref.computed // BS, last):
+                self.env.write(ref.blocks[i].block_id, ref.hashes[i])
+            ref.computed = end
+        self.worker.start_load_kv(meta)
+        self.worker.wait_for_save(meta)
+        if wait:
+            self.wait_for_transfers()
+        _, recving = self.worker.get_finished()
+        report = self.worker.build_report()
+        kv = KVConnectorOutput(
+            finished_recving=recving,
+            invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=(
+                LifecycleWorkerMetadata(report) if report else None
+            ),
+        )
+        self.outputs.append(Output(kv, meta.step))
+
+    @precondition(lambda self: self.outputs)
+    @rule(
+        junk_recv=st.sampled_from(["", "unknown", "gone", "loading"]),
+        junk_job=st.sampled_from(["", "unknown", "settled"]),
+    )
+    def update(self, junk_recv, junk_job):
+        """`update_from_output` of the oldest step, maybe with junk added."""
+        out = self.outputs.popleft()
+        kv = out.kv
+        recving = set(kv.finished_recving or ())
+        junk = {
+            "unknown": ["never-seen"],
+            "gone": self.live(Status.GONE),
+            "loading": self.live(Status.LOADING),
+        }.get(junk_recv, [])
+        recving.update(junk[:1])
+        kv.finished_recving = recving or None
+        results = (
+            list(kv.kv_connector_worker_meta.results)
+            if (kv.kv_connector_worker_meta)
+            else []
+        )
+        awaited = set()
+        for result in results:
+            self.settled_jobs.add(result.job_id)
+            job = self.jobs[result.job_id]
+            ref = self.refs.get(job.req_id)
+            if ref is not None and ref.load is job:
+                awaited.add(job.req_id)
+        if junk_job == "unknown":
+            results.append(JobResult(10**9, ok=1))
+        elif junk_job == "settled" and self.settled_jobs:
+            results.append(JobResult(min(self.settled_jobs), ok=1))
+        kv.kv_connector_worker_meta = LifecycleWorkerMetadata(
+            WorkerReport(tuple(results))
+        )
+        self.side.update_connector_output(kv)
+        delivered = set(kv.finished_recving or ())
+        if delivered != awaited:
+            self.violations.append(
+                f"step {out.step}: receive completions {sorted(delivered)}, "
+                f"loads that ended {sorted(awaited)}"
+            )
+        self.apply(kv)
+
+    @precondition(lambda self: self.refs)
+    @rule(
+        n=st.integers(0, 50),
+        aborted=st.booleans(),
+        again=st.booleans(),
+    )
+    def finish(self, n, aborted, again):
+        """vLLM finishes a request (any state); maybe a second time."""
+        ended = (Status.GONE, Status.HELD) if again else ()
+        ids = self.live(Status.WAITING, Status.LOADING, Status.RUNNING, *ended)
+        if not ids:
+            return
+        status = (
+            RequestStatus.FINISHED_ABORTED
+            if aborted
+            else RequestStatus.FINISHED_LENGTH_CAPPED
+        )
+        self.end(self.pick(ids, n), status)
+
+    # -- what vLLM does with an output ----------------------------------------
+
+    def apply(self, kv):
+        """Check the output against vLLM's contracts, then apply it."""
+        for req_id in sorted(kv.finished_sending or ()):
+            self.send_delivered[req_id] += 1
+            if req_id not in self.delayed:
+                self.violations.append(f"send completion for {req_id}")
+            self.delayed.discard(req_id)
+        invalid = set(kv.invalid_block_ids or ())
+        for req_id in sorted(kv.finished_recving or ()):
+            self.recv_delivered[req_id] += 1
+            ref = self.refs.get(req_id)
+            if ref is None or ref.status not in (Status.LOADING, Status.HELD):
+                state = ref.status.name if ref else "unknown"
+                self.violations.append(
+                    f"receive completion for {req_id}, which vLLM does not "
+                    f"await ({state})"
+                )
+                continue
+            self.check_loaded(ref, invalid)
+            if ref.status is Status.HELD:
+                ref.status = Status.GONE
+                self.free(ref)
+            else:
+                ref.status = Status.RUNNING
+                ref.table_sent = False
+            ref.load = None
+
+    def check_loaded(self, ref, invalid):
+        if ref.load is None:
+            self.violations.append(f"{ref.req_id}: completion, no load job")
+            return
+        block_ids, hashes = ref.load.block_ids, ref.load.block_hashes
+        table = [b.block_id for b in ref.blocks]
+        first_bad = None
+        for block_id, block_hash in zip(block_ids, hashes, strict=True):
+            if block_id in invalid:
+                first_bad = first_bad if first_bad is not None else block_id
+            elif not self.env.holds(block_id, block_hash):
+                self.violations.append(
+                    f"{ref.req_id}: block {block_id} loaded wrong bytes"
+                )
+        if first_bad is not None:  # vLLM recomputes from the first bad one
+            ref.computed = min(ref.computed, table.index(first_bad) * BS)
+
+    def check_jobs(self, meta):
+        for job in meta.jobs:
+            self.jobs_issued += 1
+            self.jobs[job.job_id] = job
+            ref = self.refs.get(job.req_id)
+            held = {b.block_id for b in ref.blocks} if ref else set()
+            if not set(job.block_ids) <= held:
+                self.violations.append(
+                    f"job {job.job_id} ({job.kind.value}) on blocks "
+                    f"{job.block_ids} that {job.req_id} does not hold"
+                )
+            if job.kind is JobKind.LOAD and ref is not None:
+                if ref.load is not None:
+                    self.violations.append(f"{job.req_id}: second load")
+                ref.load = job
+
+    # -- invariants ---------------------------------------------------------
+
+    @invariant()
+    def no_violation(self):
+        assert self.violations == []
+
+    @invariant()
+    def finished_requests_leave_no_tracker(self):
+        for req_id, ref in self.refs.items():
+            if ref.status is Status.GONE:
+                assert req_id not in self.side.registry, req_id
+
+    @invariant()
+    def awaited_loads_stay_tracked(self):
+        for req_id, ref in self.refs.items():
+            if ref.status in (Status.LOADING, Status.HELD):
+                assert req_id in self.side.registry, req_id
+
+    def teardown(self):
+        try:
+            self.drain()
+        finally:
+            self.worker.shutdown()
+            self.tally()
+
+    def tally(self):
+        """Count what the example exercised (the test checks coverage)."""
+        kinds = collections.Counter(j.kind for j in self.jobs.values())
+        COVERAGE["load jobs"] += kinds[JobKind.LOAD]
+        COVERAGE["save jobs"] += kinds[JobKind.SAVE]
+        COVERAGE["receive completions"] += sum(self.recv_delivered.values())
+        COVERAGE["stale completions"] += sum(
+            self.side.machine.stale_counts.values()
+        )
+        COVERAGE["illegal orderings"] += sum(
+            self.side.machine.illegal_counts.values()
+        )
+        COVERAGE["dropped reports"] += self.side.unexpected_reports
+
+    def step(self):
+        """A plain step: nothing preempted or admitted, transfers settled."""
+        self.schedule(
+            preempt=set(), odd_preempt="", chunk=BS, wait=True, admit=0,
+            local=0,
+        )  # fmt: skip
+
+    def drain(self):
+        """Finish everything, settle every job, then nothing may be left."""
+        for req_id in self.live(
+            Status.WAITING, Status.RUNNING, Status.LOADING
+        ):
+            self.end(self.refs[req_id], RequestStatus.FINISHED_ABORTED)
+        deadline = time.monotonic() + 2 * SETTLE_S
+        while time.monotonic() < deadline:
+            while self.outputs:
+                self.update("", "")
+            if not self.side.open_jobs and not self.live(Status.HELD):
+                break
+            self.step()
+        assert self.violations == []
+        assert self.live(Status.HELD) == [], "waiting for KV forever"
+        assert len(self.side.registry) == 0, list(self.side.registry)
+        assert self.side.open_jobs == 0
+        assert self.spy.pinned == 0
+        assert self.spy.touched == self.spy.freed
+        assert self.pool.get_num_free_blocks() == NUM_BLOCKS - 1
+        assert all(n == 1 for n in self.send_delivered.values())
+
+
+# -- plain records for vLLM's SchedulerOutput (only what the hooks read) ------
+
+
+@attrs.define
+class NewReq:
+    req_id: str
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@attrs.define
+class CachedReqs:
+    req_ids: list[str] = attrs.field(factory=list)
+    new_block_ids: list = attrs.field(factory=list)
+    num_computed_tokens: list[int] = attrs.field(factory=list)
+    resumed_req_ids: set[str] = attrs.field(factory=set)
+
+    def add(self, req_id, new_block_ids, computed, *, resumed):
+        self.req_ids.append(req_id)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(computed)
+        if resumed:
+            self.resumed_req_ids.add(req_id)
+
+
+@attrs.define
+class SchedOut:
+    scheduled_new_reqs: list[NewReq]
+    scheduled_cached_reqs: CachedReqs
+    num_scheduled_tokens: dict[str, int]
+    preempted_req_ids: set[str]
+    finished_req_ids: set[str]
+
+
+COVERAGE_NEEDED = (
+    "load jobs",
+    "save jobs",
+    "receive completions",
+    "stale completions",
+    "illegal orderings",
+    "dropped reports",
+    "preemptions",
+    "finished while loading",
+    "pins outlived their request",
+)
+
+
+def test_hook_orderings(env):
+    """Any interleaving of hooks keeps vLLM's contracts; nothing leaks."""
+    COVERAGE.clear()
+    run_state_machine_as_test(lambda: OrderingFuzzer(env), settings=PROFILE)
+    print(dict(COVERAGE))
+    # The run must have reached the interesting orderings at all.
+    assert all(COVERAGE[k] for k in COVERAGE_NEEDED), dict(COVERAGE)
+
+
+def test_finish_between_alloc_and_meta_still_loads(env):
+    """Finish after `update_state_after_alloc`, before the step's metadata.
+
+    vLLM 0.33 does this when it defers an async load (HiSparse): the
+    allocation hook runs in `update_from_output`, an abort can land before
+    the next `schedule()`.  vLLM keeps the blocks until one receive
+    completion, so the load must still be issued and reported.
+    """
+    fuzz = OrderingFuzzer(env)
+    try:
+        fuzz.add_request(family=0, length=64, reuse=1)
+        fuzz.lookup(n=0, local=0)
+        fuzz.allocate(n=0)
+        ref = fuzz.refs["r0"]
+        assert ref.status is Status.LOADING
+        fuzz.end(ref, RequestStatus.FINISHED_ABORTED)
+        assert ref.status is Status.HELD
+        fuzz.step()
+        fuzz.update("", "")
+        assert fuzz.violations == []
+        assert fuzz.recv_delivered == {"r0": 1}
+        assert ref.status is Status.GONE
+        assert "r0" not in fuzz.side.registry
+    finally:
+        fuzz.teardown()

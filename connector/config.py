@@ -49,6 +49,7 @@ KiB: Final = 1024
 MiB: Final = 1024 * KiB
 GiB: Final = 1024 * MiB
 TiB: Final = 1024 * GiB
+MIN_SEGMENT: Final = 16 * MiB  # the smallest segment Mooncake sets up
 
 _UNITS: Final[dict[str, int]] = {
     "": 1,
@@ -248,8 +249,10 @@ def _check_protocol(
 
 
 def _check_segment(_: object, field: attrs.Attribute[int], value: int) -> None:
-    if value != 0 and not KiB <= value <= TiB:
-        reason = "must be 0 (pure client) or between 1 KiB and 1 TiB"
+    # NOTE(reliab): Mooncake 0.3.13's setup() fails with -600 for a segment
+    # under 16 MiB; say so here instead of as an unreachable master.
+    if value != 0 and not MIN_SEGMENT <= value <= TiB:
+        reason = "must be 0 (pure client) or between 16 MiB and 1 TiB"
         raise ConfigError(field.name, value, reason)
 
 

@@ -1,0 +1,294 @@
+"""Fault injection: the connector in vLLM's real scheduler, the store failing.
+
+Each test runs `tests.vllm_harness.Harness` (vLLM 0.33's `Scheduler`, our
+connector loaded by module path, KV content checked every step) against a
+private `mooncake_master` that is killed, hung (SIGSTOP) and restarted
+mid-run, filled up, or whose transfers fail in part.  Loads that fail turn
+into recompute through vLLM's load-error path (the harness checks that no
+block serves wrong KV), saves are skipped, no step stalls beyond the
+configured bound, and every request finishes: none hangs waiting for its
+KV.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from connector.metadata import JobKind
+from connector.store import (
+    DEAD_MASTER_STALL_S,
+    BatchResult,
+    Op,
+    Outcome,
+)
+from tests.test_connector_vllm import CONNECTOR, assert_clean, prompt, side
+from tests.vllm_harness import Harness
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
+
+RPC_TIMEOUT_MS = 1000
+SLACK_S = 1.0
+SLOW_S = 0.5
+
+
+@pytest.fixture
+def faulty(start_master, unique):
+    """A private master and a harness factory bound to it."""
+    master = start_master(lease_ttl_ms=500)
+    made = []
+    extra = {
+        "master_server_address": master.rpc_address,
+        "metadata_server": master.metadata_server,
+        "protocol": "tcp",
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": "64MiB",
+        "local_buffer_size": "16MiB",
+        "namespace": unique,
+        "rpc_timeout_ms": RPC_TIMEOUT_MS,
+        "breaker_probe_ms": 200,
+        "close_timeout_ms": 1000,
+        "setup_retries": 1,
+    }
+
+    def make(**kwargs):
+        config = {**extra, **kwargs.pop("extra", {})}
+        h = Harness(CONNECTOR, extra_config=config, **kwargs)
+        made.append(h)
+        return h
+
+    yield master, make
+    clients = {h.scheduler_connector._client for h in made}
+    for h in reversed(made):
+        h.close()
+    for client in clients:
+        if client is not None:
+            client.close()  # a client of a dead master must not outlive it
+
+
+def drive(h, deadline_s=30.0, until=None):
+    """Step until idle (or `until()`); return every step's duration (s)."""
+    durations = []
+    end = time.monotonic() + deadline_s
+    while not h.is_idle() and time.monotonic() < end:
+        if until is not None and until():
+            return durations
+        started = time.monotonic()
+        report = h.step()
+        durations.append(time.monotonic() - started)
+        if not report.scheduled:
+            time.sleep(0.005)  # only transfers pending: let them run
+    h.check()
+    return durations
+
+
+def fault_after_first_hit(h, fault):
+    """Inject `fault` right after the first store hit: the load meets it."""
+    real = side(h)._lookup
+    fired = []
+
+    class FaultAfterHit:
+        def hit_blocks(self, hashes):
+            hit = real.hit_blocks(hashes)
+            if hit and not fired:
+                fired.append(time.monotonic())
+                fault()
+            return hit
+
+    side(h)._lookup = FaultAfterHit()
+    return fired
+
+
+def loads_failed(h):
+    return h.worker_connector.worker_side.jobs_failed[JobKind.LOAD]
+
+
+def store_prefix(make, seed, length):
+    a = make(num_blocks=40)
+    a.add_request("a", prompt(seed, length), max_tokens=2)
+    drive(a)
+    return a
+
+
+class TestMasterFaults:
+    def test_killed_mid_run_then_restarted(self, faulty):
+        """SIGKILL between lookup and load: recompute, one bounded stall;
+        after a restart saves land again.
+        """
+        master, make = faulty
+        store_prefix(make, 5, 64)
+        b = make(num_blocks=40)
+        fired = fault_after_first_hit(b, master.kill)
+        for i in range(3):
+            b.add_request(f"b{i}", [*prompt(5, 64), i], max_tokens=6)
+        durations = drive(b)
+        assert fired
+        assert loads_failed(b) >= 1
+        assert sum(b.external_hits.values()) >= 64
+        assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 3}
+        assert max(durations) < DEAD_MASTER_STALL_S + SLACK_S
+        assert sum(d > SLOW_S for d in durations) <= 1
+        assert_clean(b)
+
+        master.restart()
+        worker = b.worker_connector.worker_side
+        saved = worker.jobs_done[JobKind.SAVE]
+        deadline = time.monotonic() + 15.0
+        n = 0
+        while worker.jobs_done[JobKind.SAVE] == saved:
+            assert time.monotonic() < deadline, "no save after the restart"
+            b.add_request(f"c{n}", prompt(100 + n, 40), max_tokens=2)
+            drive(b)
+            n += 1
+            time.sleep(0.2)
+        assert_clean(b)
+
+    def test_hung_mid_run_then_resumed(self, faulty):
+        """SIGSTOP between lookup and load: every step within the RPC
+        timeout, failed loads recomputed; after SIGCONT loads work again.
+        """
+        master, make = faulty
+        store_prefix(make, 6, 64)
+        b = make(num_blocks=40)
+        fired = fault_after_first_hit(b, master.pause)
+        for i in range(3):
+            b.add_request(f"b{i}", [*prompt(6, 64), i], max_tokens=6)
+        try:
+            durations = drive(b, until=lambda: loads_failed(b) >= 1)
+        finally:
+            master.resume()
+        durations += drive(b)
+        assert fired
+        assert loads_failed(b) >= 1
+        assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 3}
+        assert max(durations) < RPC_TIMEOUT_MS / 1000 + SLACK_S
+        assert_clean(b)
+
+        # The data survived the hang: another instance loads it.
+        client = b.scheduler_connector._client
+        deadline = time.monotonic() + 10.0
+        while set(client.exists(["probe"])) != {Outcome.MISS}:
+            assert time.monotonic() < deadline, "the master did not return"
+            time.sleep(0.1)  # the breaker lets a probe through every 200 ms
+        c = make(num_blocks=40)
+        c.add_request("c", [*prompt(6, 64), 50], max_tokens=2)
+        drive(c)
+        assert c.external_hits["c"] == 64
+        assert loads_failed(c) == 0
+        assert_clean(c)
+
+
+class TestStoreFaults:
+    def test_store_full_skips_saves(self, faulty):
+        """A full store rejects saves; requests finish, nothing leaks.
+
+        The real master evicts unleased objects within moments, so a full
+        segment is transient; `Full` answers Mooncake's -200 past a fixed
+        capacity, deterministically.
+        """
+        _, make = faulty
+        h = make(num_blocks=40)
+        worker = h.worker_connector.worker_side
+        full = Full(worker._store, capacity=6)
+        worker._store = full
+        for i in range(6):
+            h.add_request(f"r{i}", prompt(200 + i, 64), max_tokens=2)
+        drive(h)
+        assert full.rejected >= 1
+        assert worker.jobs_failed[JobKind.SAVE] >= 1
+        assert worker.jobs_done[JobKind.SAVE] >= 1
+        assert h.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 6}
+        assert_clean(h)
+
+    @pytest.mark.parametrize("async_scheduling", [False, True])
+    def test_fraction_of_transfers_fail(self, faulty, async_scheduling):
+        """A third of the keys fail (garbage in the block): recompute."""
+        _, make = faulty
+        store_prefix(make, 8, 96)
+        h = make(num_blocks=40, async_scheduling=async_scheduling)
+        worker = h.worker_connector.worker_side
+        flaky = Flaky(worker._store, random.Random(7), rate=1 / 3)  # noqa: S311
+        worker._store = flaky
+        for i in range(6):
+            h.add_request(f"r{i}", [*prompt(8, 96), i], max_tokens=4)
+        drive(h)
+        assert flaky.failed[Op.GET] >= 1
+        assert flaky.failed[Op.PUT] >= 1
+        assert loads_failed(h) >= 1
+        assert h.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 6}
+        assert_clean(h)
+
+
+class Flaky:
+    """A store whose transfers fail per key, at random, like a lossy link.
+
+    A failed get scribbles over its region first, so KV served from a
+    failed block would fail the harness's content check.
+    """
+
+    def __init__(self, store, rng, rate):
+        self.store = store
+        self.rng = rng
+        self.rate = rate
+        self.failed = {Op.GET: 0, Op.PUT: 0}
+
+    def _fail(self, op, result, regions):
+        outcomes = list(result)
+        codes = list(result.codes)
+        for i in range(len(outcomes)):
+            if self.rng.random() < self.rate:
+                self.failed[op] += 1
+                outcomes[i] = Outcome.TRANSFER_FAILED
+                codes[i] = -800
+                if op is Op.GET:
+                    scribble(regions, i)
+        return BatchResult(op, outcomes, codes)
+
+    def get(self, keys, regions):
+        return self._fail(Op.GET, self.store.get(keys, regions), regions)
+
+    def put(self, keys, regions):
+        return self._fail(Op.PUT, self.store.put(keys, regions), regions)
+
+
+def scribble(regions, i):
+    """Overwrite key `i`'s destination bytes with garbage."""
+    if regions.piece_ptrs is None:
+        pieces = [(regions.ptrs[i], regions.sizes[i])]
+    else:
+        pieces = zip(
+            regions.piece_ptrs[i], regions.piece_sizes[i], strict=True
+        )
+    for ptr, size in pieces:
+        ctypes.memset(ptr, 0x5A, size)
+
+
+class Full:
+    """A store that holds `capacity` blocks, then answers STORE_FULL."""
+
+    def __init__(self, store, capacity):
+        self.store = store
+        self.capacity = capacity
+        self.rejected = 0
+
+    def get(self, keys, regions):
+        return self.store.get(keys, regions)
+
+    def put(self, keys, regions):
+        room = max(self.capacity, 0)
+        fits = min(room, len(keys))
+        self.capacity -= fits
+        self.rejected += len(keys) - fits
+        if fits:
+            kept = self.store.put(keys[:fits], regions.select(range(fits)))
+            outcomes, codes = list(kept), list(kept.codes)
+        else:
+            outcomes, codes = [], []
+        outcomes += [Outcome.STORE_FULL] * (len(keys) - fits)
+        codes += [-200] * (len(keys) - fits)
+        return BatchResult(Op.PUT, outcomes, codes)

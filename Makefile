@@ -5,7 +5,7 @@ STAMP := .venv/.bootstrapped
 REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh)
 PYTEST_ARGS ?=
 
-.PHONY: all venv venv-e2e e2e test lint typecheck diagrams diagrams-check unit demo bench clean
+.PHONY: all venv venv-e2e e2e test lint typecheck diagrams diagrams-check unit fuzz demo bench clean
 
 all: test
 
@@ -32,6 +32,11 @@ unit: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck diagrams-check unit
+
+# The ordering fuzzer with a large budget (`make test` runs the CI budget).
+# FUZZ_EXAMPLES=N overrides the number of examples.
+fuzz: $(STAMP)
+	FUZZ_PROFILE=long $(PY) -m pytest tests/test_fuzz_ordering.py -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(PY) -m lifecycle render

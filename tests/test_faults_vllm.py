@@ -12,8 +12,9 @@ KV.
 
 from __future__ import annotations
 
+import collections
 import ctypes
-import random
+import hashlib
 import time
 
 import pytest
@@ -212,7 +213,7 @@ class TestStoreFaults:
         store_prefix(make, 8, 96)
         h = make(num_blocks=40, async_scheduling=async_scheduling)
         worker = h.worker_connector.worker_side
-        flaky = Flaky(worker._store, random.Random(7), rate=1 / 3)  # noqa: S311
+        flaky = Flaky(worker._store, seed=7, rate=1 / 3)
         worker._store = flaky
         for i in range(6):
             h.add_request(f"r{i}", [*prompt(8, 96), i], max_tokens=4)
@@ -225,23 +226,32 @@ class TestStoreFaults:
 
 
 class Flaky:
-    """A store whose transfers fail per key, at random, like a lossy link.
+    """A store whose transfers fail per key, like a lossy link.
 
-    A failed get scribbles over its region first, so KV served from a
-    failed block would fail the harness's content check.
+    Whether a key's n-th get (or put) fails is a pure function of the
+    seed, so runs repeat.  A failed get scribbles over its region first,
+    so KV served from a failed block would fail the content checks.
     """
 
-    def __init__(self, store, rng, rate):
+    def __init__(self, store, seed, rate):
         self.store = store
-        self.rng = rng
+        self.seed = seed
         self.rate = rate
+        self.tries = collections.Counter()
         self.failed = {Op.GET: 0, Op.PUT: 0}
 
-    def _fail(self, op, result, regions):
+    def _fails(self, op, key):
+        block = key.rpartition("@")[2]  # the block hash, not the namespace
+        self.tries[op, block] += 1
+        text = f"{self.seed}/{op.value}/{block}/{self.tries[op, block]}"
+        digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+        return int.from_bytes(digest) < self.rate * 2**64
+
+    def _fail(self, op, keys, result, regions):
         outcomes = list(result)
         codes = list(result.codes)
-        for i in range(len(outcomes)):
-            if self.rng.random() < self.rate:
+        for i, key in enumerate(keys):
+            if self._fails(op, key):
                 self.failed[op] += 1
                 outcomes[i] = Outcome.TRANSFER_FAILED
                 codes[i] = -800
@@ -250,10 +260,12 @@ class Flaky:
         return BatchResult(op, outcomes, codes)
 
     def get(self, keys, regions):
-        return self._fail(Op.GET, self.store.get(keys, regions), regions)
+        result = self.store.get(keys, regions)
+        return self._fail(Op.GET, keys, result, regions)
 
     def put(self, keys, regions):
-        return self._fail(Op.PUT, self.store.put(keys, regions), regions)
+        result = self.store.put(keys, regions)
+        return self._fail(Op.PUT, keys, result, regions)
 
 
 def scribble(regions, i):

@@ -11,7 +11,9 @@ with preemptions, finishes, output updates with async-scheduling
 reordering) and what it should not (duplicate finishes, finish before
 lookup, lookups repeated without allocation, preemption of a loading
 request, completions and job results for unknown, finished or still
-loading ids, preempted ids vLLM does not track).
+loading ids, preempted ids vLLM does not track).  In some examples a
+third of the transfers fail (`tests.test_faults_vllm.Flaky`, which
+scribbles over a failed load's blocks).
 
 Invariants, checked after every rule:
 
@@ -27,7 +29,7 @@ Invariants, checked after every rule:
   every block free, no request left waiting for its KV.
 
 Budget: ``FUZZ_PROFILE=ci`` (default, derandomized, `FUZZ_EXAMPLES`
-examples, 25 by default) or ``FUZZ_PROFILE=long`` (``make fuzz``).
+examples, 300 by default) or ``FUZZ_PROFILE=long`` (``make fuzz``).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from connector.scheduler import Role, SchedulerSide
 from connector.store import Regions
 from connector.vllm_connector import LifecycleWorkerMetadata, _StoreLookup
 from connector.worker import KVLayout, WorkerSide
+from tests.test_faults_vllm import Flaky
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
@@ -139,14 +142,8 @@ class Env:
         for tensor in self.kv.values():
             client.register_tensor(tensor)
         self.layout = KVLayout.from_tensors(self.kv, NUM_BLOCKS)
-        self.scheme = KeyScheme(
-            namespace=f"fuzz-{uuid.uuid4().hex[:8]}",
-            model="fuzz",
-            tp_rank=0,
-            tp_size=1,
-            layout=Layout("uint8", BS, LAYERS * LAYER_BYTES, detail="2l"),
-        )
-        self.lookup = _StoreLookup(client, (self.scheme,))
+        self.run = uuid.uuid4().hex[:8]
+        self.examples = 0
 
     def request(self, req_id, family, length):
         return Request(
@@ -171,16 +168,31 @@ class Env:
             for i, tensor in enumerate(self.kv.values())
         )
 
-    def seed_store(self):
-        """Store families 0 and 1 (full length) as another instance would."""
+    def fresh_store(self):
+        """A namespace of its own for one example, so examples repeat.
+
+        Families 0 and 1 (full length) are stored first, as another
+        instance would have.
+        """
+        self.examples += 1
+        scheme = KeyScheme(
+            namespace=f"fuzz-{self.run}-{self.examples}",
+            model="fuzz",
+            tp_rank=0,
+            tp_size=1,
+            layout=Layout("uint8", BS, LAYERS * LAYER_BYTES, detail="2l"),
+        )
         for family in (0, 1):
             hashes = self.request("seed", family, max(LENGTHS)).block_hashes
             ids = list(range(1, len(hashes) + 1))
             for block_id, block_hash in zip(ids, hashes, strict=True):
                 self.write(block_id, block_hash)
             regions = Regions.pieces(*self.layout.pieces(ids))
-            result = self.client.put(self.scheme.keys(hashes), regions)
+            result = self.client.put(scheme.keys(hashes), regions)
             assert result.ok, list(result)
+        for tensor in self.kv.values():
+            tensor.zero_()
+        return scheme, _StoreLookup(self.client, (scheme,))
 
     def close(self):
         for tensor in self.kv.values():
@@ -190,7 +202,6 @@ class Env:
 @pytest.fixture(scope="module")
 def env(store_client):
     made = Env(store_client)
-    made.seed_store()
     yield made
     made.close()
 
@@ -277,21 +288,19 @@ class OrderingFuzzer(RuleBasedStateMachine):
     def __init__(self, env):
         super().__init__()
         self.env = env
-        for tensor in env.kv.values():
-            tensor.zero_()
+        scheme, lookup = env.fresh_store()
         self.violations: list[str] = []
         self.pool = BlockPool(NUM_BLOCKS, enable_caching=False,
                               hash_block_size=BS)  # fmt: skip
         self.spy = PinSpy(self.pool, self.violations)
-        self.side = SchedulerSide(
-            block_size=BS, role=Role.BOTH, lookup=env.lookup
-        )
+        self.side = SchedulerSide(block_size=BS, role=Role.BOTH, lookup=lookup)
         self.side.bind_block_pool(self.spy)
-        self.worker = WorkerSide(env.client, env.scheme, env.layout, Regions)
+        self.worker = WorkerSide(env.client, scheme, env.layout, Regions)
         self.refs: dict[str, Ref] = {}
         self.outputs: collections.deque[Output] = collections.deque()
         self.finished_since_step: set[str] = set()
         self.jobs_issued = 0
+        self.drained = 0  # job results the worker reported so far
         self.settled_jobs: set[int] = set()
         self.jobs: dict[int, TransferJob] = {}
         self.next_id = 0
@@ -337,11 +346,10 @@ class OrderingFuzzer(RuleBasedStateMachine):
                 self.free(ref)
 
     def wait_for_transfers(self):
-        worker = self.worker
+        results = self.worker._results
         deadline = time.monotonic() + SETTLE_S
         while time.monotonic() < deadline:
-            done = sum(worker.jobs_done.values())
-            if done + sum(worker.jobs_failed.values()) >= self.jobs_issued:
+            if self.drained + results.qsize() >= self.jobs_issued:
                 return
             time.sleep(0.001)
         self.violations.append(f"transfers not done within {SETTLE_S} s")
@@ -351,10 +359,13 @@ class OrderingFuzzer(RuleBasedStateMachine):
     @initialize(
         runner=st.sampled_from(["v1", "v2"]),
         families=st.lists(st.integers(0, FAMILIES - 1), max_size=4),
+        lossy=st.sampled_from([None, None, 1, 2, 3]),
     )
-    def start(self, runner, families):
-        """Pick the model runner; a few requests arrive at once."""
+    def start(self, runner, families, lossy):
+        """Pick the model runner and the link; a few requests arrive."""
         self.runner = runner
+        if lossy is not None:  # a third of the transfers fail, seeded
+            self.worker._store = Flaky(self.env.client, lossy, rate=1 / 3)
         for i, family in enumerate(families):
             self.add_request(family, LENGTHS[(family + i) % len(LENGTHS)], 1)
 
@@ -427,11 +438,11 @@ class OrderingFuzzer(RuleBasedStateMachine):
         preempt=st.sets(st.integers(0, 50), max_size=2),
         odd_preempt=st.sampled_from(["", "loading", "gone", "unknown"]),
         chunk=st.sampled_from([BS, 2 * BS, 40, 128]),
-        wait=st.booleans(),
+        collect=st.booleans(),
         admit=st.integers(0, 3),
         local=st.integers(0, 2),
     )
-    def schedule(self, *, preempt, odd_preempt, chunk, wait, admit, local):
+    def schedule(self, *, preempt, odd_preempt, chunk, collect, admit, local):
         """One step: preempt, admit, build the metadata, run the worker."""
         preempted = self.preempt(preempt, odd_preempt)
         for req_id in self.live(Status.WAITING)[:admit]:
@@ -449,7 +460,7 @@ class OrderingFuzzer(RuleBasedStateMachine):
         self.finished_since_step.clear()
         meta = self.side.build_connector_meta(so)
         self.check_jobs(meta)
-        self.execute(meta, scheduled, wait=wait)
+        self.execute(meta, scheduled, collect=collect)
 
     def preempt(self, picks, odd_preempt):
         """vLLM preempts running requests (and frees their blocks)."""
@@ -493,8 +504,13 @@ class OrderingFuzzer(RuleBasedStateMachine):
             ref.table_sent = ref.ever_scheduled = True
         return new_reqs, cached, scheduled
 
-    def execute(self, meta, scheduled, *, wait):
-        """The model runner: forward (writes KV), then the worker hooks."""
+    def execute(self, meta, scheduled, *, collect):
+        """The model runner: forward (writes KV), then the worker hooks.
+
+        Transfers always run to the end (the run stays deterministic);
+        without `collect` their results are drained a later step, as if
+        they had not finished yet.
+        """
         for req_id, todo in scheduled.items():
             ref = self.refs[req_id]
             end = ref.computed + todo
@@ -504,13 +520,16 @@ class OrderingFuzzer(RuleBasedStateMachine):
             ref.computed = end
         self.worker.start_load_kv(meta)
         self.worker.wait_for_save(meta)
-        if wait:
-            self.wait_for_transfers()
-        _, recving = self.worker.get_finished()
-        report = self.worker.build_report()
+        self.wait_for_transfers()
+        recving, invalid, report = None, set(), None
+        if collect:
+            _, recving = self.worker.get_finished()
+            invalid = self.worker.get_block_ids_with_load_errors()
+            report = self.worker.build_report()
+            self.drained += len(report.results) if report else 0
         kv = KVConnectorOutput(
             finished_recving=recving,
-            invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
+            invalid_block_ids=invalid,
             kv_connector_worker_meta=(
                 LifecycleWorkerMetadata(report) if report else None
             ),
@@ -681,11 +700,12 @@ class OrderingFuzzer(RuleBasedStateMachine):
             self.side.machine.illegal_counts.values()
         )
         COVERAGE["dropped reports"] += self.side.unexpected_reports
+        COVERAGE["failed loads"] += self.worker.jobs_failed[JobKind.LOAD]
 
     def step(self):
         """A plain step: nothing preempted or admitted, transfers settled."""
         self.schedule(
-            preempt=set(), odd_preempt="", chunk=BS, wait=True, admit=0,
+            preempt=set(), odd_preempt="", chunk=BS, collect=True, admit=0,
             local=0,
         )  # fmt: skip
 
@@ -756,6 +776,7 @@ COVERAGE_NEEDED = (
     "preemptions",
     "finished while loading",
     "pins outlived their request",
+    "failed loads",
 )
 
 

@@ -10,19 +10,26 @@ can be forced; the bytes still go through the real master.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
 
 from connector import worker as worker_module
-from connector.keys import KeyScheme, Layout
-from connector.metadata import ConnectorMeta, JobKind, JobResult, TransferJob
+from connector.metadata import ConnectorMeta, JobKind, JobResult
 from connector.store import Regions
 from connector.transfer import HostOps, Staged, open_transfer
-from connector.worker import Verdict, WorkerSide
+from connector.worker import Verdict
 from lifecycle import Event, LifecycleMachine, State
+from tests.worker_helpers import (
+    Gate,
+    JobMaker,
+    Workers,
+    assert_same_blocks,
+    make_worker,
+    settle,
+    step,
+)
 
 pytestmark = pytest.mark.mooncake
 
@@ -30,32 +37,6 @@ NUM_BLOCKS = 16
 TOKENS = 4
 WIDTH = 32
 LOAD, SAVE = JobKind.LOAD, JobKind.SAVE
-
-
-class Gate:
-    """The real store, with puts and/or gets held until `release()`."""
-
-    def __init__(self, store, *, puts=True, gets=True):
-        self.store = store
-        self.held = {"put": puts, "get": gets}
-        self.entered = threading.Event()
-        self._open = threading.Event()
-
-    def release(self):
-        self._open.set()
-
-    def _hold(self, op):
-        if self.held[op]:
-            self.entered.set()
-            self._open.wait(30)
-
-    def put(self, keys, regions):
-        self._hold("put")
-        return self.store.put(keys, regions)
-
-    def get(self, keys, regions):
-        self._hold("get")
-        return self.store.get(keys, regions)
 
 
 def kv_caches(layout="blocks_first", dtype=torch.float32, seed=0):
@@ -71,114 +52,39 @@ def kv_caches(layout="blocks_first", dtype=torch.float32, seed=0):
     return {f"l{i}": tensor(shape) for i in range(2)}
 
 
-def block(kv, b):
-    """Every layer's part of block `b`, for comparisons."""
-    return [t[b] if t.shape[0] == NUM_BLOCKS else t[:, b] for t in kv.values()]
-
-
 def assert_blocks_equal(kv_a, a_ids, kv_b, b_ids):
-    for a, b in zip(a_ids, b_ids, strict=True):
-        for x, y in zip(block(kv_a, a), block(kv_b, b), strict=True):
-            assert torch.equal(x, y), f"block {a} != block {b}"
+    assert_same_blocks(kv_a, a_ids, kv_b, b_ids, NUM_BLOCKS)
 
 
 @pytest.fixture
 def workers(store_client):
-    made = []
+    made = Workers(store_client)
     yield made
-    for w in made:
-        w.shutdown(timeout=30)
-        for ptr in w.registered:
-            store_client.unregister(ptr)
+    made.close()
 
 
 @pytest.fixture
 def make(store_client, unique, workers):
     def _make(kv=None, *, store=None, staging_blocks=None):
         kv = kv_caches() if kv is None else kv
-        probe = next(iter(kv.values()))
-        block_bytes = sum(
-            t[0].numel() * t.element_size()
-            if t.shape[0] == NUM_BLOCKS
-            else 2 * t[0][0].numel() * t.element_size()
-            for t in kv.values()
+        return workers.add(
+            make_worker(
+                store_client,
+                unique,
+                kv,
+                NUM_BLOCKS,
+                TOKENS,
+                store=store,
+                staging_blocks=staging_blocks,
+            )
         )
-        scheme = KeyScheme(
-            namespace=unique,
-            model="m",
-            tp_rank=0,
-            tp_size=1,
-            layout=Layout(
-                str(probe.dtype).removeprefix("torch."),
-                block_tokens=TOKENS,
-                block_bytes=block_bytes,
-                detail=f"{tuple(probe.shape)}",
-            ),
-        )
-        w = WorkerSide.for_kv_caches(
-            store or store_client,
-            scheme,
-            kv,
-            NUM_BLOCKS,
-            Regions,
-            register=store_client.register,
-            staging_blocks=staging_blocks,
-        )
-        workers.append(w)
-        return w
 
     return _make
 
 
 @pytest.fixture
 def job(unique):
-    def _job(job_id, kind, req_id, epoch, blocks, hashes, *, pinned=True):  # noqa: PLR0917
-        return TransferJob(
-            job_id=job_id,
-            kind=kind,
-            req_id=req_id,
-            epoch=epoch,
-            block_ids=tuple(blocks),
-            block_hashes=tuple(f"{unique}/{h}".encode() for h in hashes),
-            pinned=pinned,
-        )
-
-    return _job
-
-
-def step(w, meta):
-    """One step's worker hooks, in the model runner's order."""
-    w.handle_preemptions(meta)
-    w.start_load_kv(meta)
-    w.wait_for_save(meta)
-
-
-def settle(w, count, timeout=30.0):
-    """Poll like the runner until `count` job results came back.
-
-    Returns (receive completions per step, job results, load errors).
-    """
-    recving, results, errors = [], [], set()
-    end = time.monotonic() + timeout
-    while len(results) < count and time.monotonic() < end:
-        _, done = w.get_finished()
-        if done:
-            recving.append(done)
-        errors |= w.get_block_ids_with_load_errors()
-        report = w.build_report()
-        if report:
-            results.extend(report.results)
-        time.sleep(0.005)
-    # A few more polls: nothing may be reported twice.
-    for _ in range(3):
-        _, done = w.get_finished()
-        if done:
-            recving.append(done)
-        errors |= w.get_block_ids_with_load_errors()
-        report = w.build_report()
-        if report:
-            results.extend(report.results)
-    return recving, results, errors
+    return JobMaker(unique)
 
 
 class TestWorkerLifecycle:

@@ -20,16 +20,18 @@ Events, by where they come from:
 * Transfer threads: ``load_done`` / ``load_failed`` / ``save_done`` /
   ``save_failed`` with the job's epoch, so a completion from before a
   preemption (same request id, older epoch) is a counted no-op
-  (`machine.stale_counts`) and never reaches the report.
+  (`machine.stale_counts`): it is never reported as received, as a load
+  error or as a success.
 
 What the worker reports is what those events decided: a receive
 completion (`get_finished`) and load errors only for loads whose
 completion the lifecycle applied, never for a stale one or one whose
 request is gone (its blocks may already belong to another request).
-Every job still gets exactly one `JobResult` (the scheduler unpins on it);
-a stale one counts as failed and stale.  Besides the trackers, the only
-state is per job (the queues and the completion outbox), never per
-request.
+Every job still gets exactly one `JobResult`, because the scheduler
+unpins the job's blocks on it; a stale one reads failed and stale.
+Besides the trackers, the only state is per job (the queues and the
+completion outbox) or per step (the last metadata step applied), never
+per request.
 
 Transfers run on two background threads (loads, saves) through a
 `connector.transfer.Transfer`: zero copy for host KV caches, pinned

@@ -18,7 +18,7 @@ import torch
 from connector import worker as worker_module
 from connector.metadata import ConnectorMeta, JobKind, JobResult
 from connector.store import Regions
-from connector.transfer import HostOps, Staged, open_transfer
+from connector.transfer import HostOps, Staged, block_pieces, open_transfer
 from connector.worker import Verdict
 from lifecycle import Event, LifecycleMachine, State
 from tests.worker_helpers import (
@@ -401,6 +401,50 @@ class TestStaging:
             torch.equal(b, t[6])
             for b, t in zip(before, kv.values(), strict=True)
         )
+
+    def test_each_piece_waits_for_its_layer_mark_or_the_step(
+        self, store_client, unique, job
+    ):
+        """The fence a save waits on: per piece, its layer's mark."""
+
+        class MarkingOps(HostOps):
+            """Host copies; markers are numbers, waits are recorded."""
+
+            def __init__(self, device):
+                super().__init__(device)
+                self.made = 0
+                self.waited = []
+
+            def record(self):
+                self.made += 1
+                return self.made
+
+            def wait(self, marker):
+                self.waited.append(marker)
+
+        kv = kv_caches("kv_first")
+        transfer = Staged(
+            block_pieces(kv, NUM_BLOCKS),
+            Regions,
+            lambda: MarkingOps(torch.device("cpu")),
+            slots=2,
+            register=store_client.register,
+        )
+        try:
+            _, ops = transfer.ops
+            transfer.layer_written("l1")
+            fence = transfer.fence()
+            # Pieces: l0 K, l0 V, l1 K, l1 V; l0 never reported this step.
+            assert fence == (2, 2, 1, 1)
+            assert transfer.fence() == (3, 3, 3, 3)  # marks do not linger
+            save = job(1, SAVE, "r", 0, [0, 1, 2], ["f0", "f1", "f2"])
+            keys = [f"{unique}-fence-{i}" for i in range(3)]
+            flags = transfer.save(store_client, keys, save.block_ids, fence)
+            assert flags == [True] * 3
+            assert ops.waited == list(fence) * 2  # two chunks of two slots
+        finally:
+            for ptr in transfer.registered:
+                store_client.unregister(ptr)
 
     def test_staging_buffers_are_registered_once(self, store_client):
         """Two pinned-or-host buffers are registered; KV tensors are not."""

@@ -346,9 +346,15 @@ class CudaOps:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def record(self) -> Any:
-        """An event recorded on the caller's current stream."""
+        """An event recorded on the caller's current stream.
+
+        None while the stream is being captured into a CUDA graph: an
+        event recorded then would not be re-recorded at replay.
+        """
         import torch  # noqa: PLC0415
 
+        if torch.cuda.is_current_stream_capturing():
+            return None
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self.device))
         return event
@@ -455,8 +461,14 @@ class Staged:
     # -- ordering (forward thread) ------------------------------------------
 
     def layer_written(self, layer: str) -> None:
-        """Mark the end of `layer`'s compute on the current stream."""
-        self._marks[layer] = self._saves.ops.record()
+        """Mark the end of `layer`'s compute on the current stream.
+
+        No mark (None: host memory, or a CUDA graph being captured, whose
+        replay runs no Python) leaves the layer to the step-wide one.
+        """
+        mark = self._saves.ops.record()
+        if mark is not None:
+            self._marks[layer] = mark
 
     def fence(self) -> Fence:
         """Per piece, its layer's mark this step, else a step-wide one."""

@@ -35,6 +35,9 @@ class TransferJob:
         pinned: Whether the scheduler holds a reference on the blocks until
             the job completes (saves only).  An unpinned save must finish
             reading before `wait_for_save` returns.
+        finished: vLLM finished the request before this load was issued
+            (it keeps the blocks until the receive completion): the
+            worker drains the load instead of keeping a tracker for it.
     """
 
     job_id: int
@@ -44,6 +47,7 @@ class TransferJob:
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
     pinned: bool = False
+    finished: bool = False
 
 
 @attrs.frozen

@@ -338,6 +338,7 @@ class SchedulerSide:
             block_ids=tuple(tracker.block_ids[first:last]),
             block_hashes=tuple(tracker.block_hashes[first:last]),
             pinned=bool(pinned),
+            finished=tracker.state is State.DRAINING,
         )
         self._next_job += 1
         self._open[job.job_id] = _OpenJob(job, pinned or [])

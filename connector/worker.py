@@ -353,6 +353,8 @@ class WorkerSide:
             self.registry.fire(req_id, Event.FINISH, known=False)
         for job in meta.jobs:
             if job.kind is JobKind.LOAD and self._accept(job):
+                if job.finished:  # its finish notice came before the job
+                    self.registry.fire(job.req_id, Event.FINISH)
                 self._queues[JobKind.LOAD].put((job, ()))
 
     def _catch_up(self, tracker: Tracker, epoch: int) -> None:

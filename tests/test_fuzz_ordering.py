@@ -346,7 +346,7 @@ class OrderingFuzzer(RuleBasedStateMachine):
                 self.free(ref)
 
     def wait_for_transfers(self):
-        results = self.worker._results
+        results = self.worker._done
         deadline = time.monotonic() + SETTLE_S
         while time.monotonic() < deadline:
             if self.drained + results.qsize() >= self.jobs_issued:
@@ -518,6 +518,7 @@ class OrderingFuzzer(RuleBasedStateMachine):
             for i in range(ref.computed // BS, last):
                 self.env.write(ref.blocks[i].block_id, ref.hashes[i])
             ref.computed = end
+        self.worker.handle_preemptions(meta)
         self.worker.start_load_kv(meta)
         self.worker.wait_for_save(meta)
         self.wait_for_transfers()
@@ -719,12 +720,18 @@ class OrderingFuzzer(RuleBasedStateMachine):
         while time.monotonic() < deadline:
             while self.outputs:
                 self.update("", "")
-            if not self.side.open_jobs and not self.live(Status.HELD):
+            if not (
+                self.side.open_jobs
+                or self.live(Status.HELD)
+                or self.finished_since_step  # the worker learns of them
+            ):
                 break
             self.step()
         assert self.violations == []
         assert self.live(Status.HELD) == [], "waiting for KV forever"
         assert len(self.side.registry) == 0, list(self.side.registry)
+        worker_left = [(t.req_id, t.state) for t in self.worker.registry]
+        assert worker_left == [], worker_left
         assert self.side.open_jobs == 0
         assert self.spy.pinned == 0
         assert self.spy.touched == self.spy.freed

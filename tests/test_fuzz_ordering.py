@@ -18,15 +18,16 @@ scribbles over a failed load's blocks).
 Invariants, checked after every rule:
 
 - no exception escapes a hook (a rule raising fails the run);
-- receive completions reach vLLM only for a request whose load vLLM
-  awaits, at most once per load; delayed frees get exactly one send
-  completion;
+- each step's receive completions are exactly the requests whose awaited
+  load ended (never one vLLM does not await, never two for one load);
+  delayed frees get exactly one send completion;
 - the connector pins only blocks a live request holds and releases each
   pin exactly once (checked on vLLM's real block pool);
 - loaded blocks hold exactly the deterministic content of their hash;
 - a finished request leaves no tracker;
-- at the end of each example, after draining: no tracker, no open job,
-  every block free, no request left waiting for its KV.
+- at the end of each example, after draining: no tracker in either half,
+  no open job, every pin released, every block free, no request left
+  waiting for its KV.
 
 Budget: ``FUZZ_PROFILE=ci`` (default, derandomized, `FUZZ_EXAMPLES`
 examples, 300 by default) or ``FUZZ_PROFILE=long`` (``make fuzz``).

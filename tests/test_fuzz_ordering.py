@@ -11,8 +11,10 @@ with preemptions, finishes, output updates with async-scheduling
 reordering) and what it should not (duplicate finishes, finish before
 lookup, lookups repeated without allocation, preemption of a loading
 request, completions and job results for unknown, finished or still
-loading ids, preempted ids vLLM does not track).  In some examples a
-third of the transfers fail (`tests.test_faults_vllm.Flaky`, which
+loading ids, preempted ids vLLM does not track).  Examples run over one
+or two tensor-parallel ranks (a worker and a KV shard each, results
+reported by each rank in its own step and aggregated as vLLM does); in
+some a third of the transfers fail (`tests.test_faults_vllm.Flaky`, which
 scribbles over a failed load's blocks).
 
 Invariants, checked after every rule:
@@ -86,6 +88,7 @@ LAYERS = 2
 LAYER_BYTES = 1024
 FAMILIES = 4  # prompt families; 0 and 1 are stored before the run
 LENGTHS = (20, 33, 48, 64, 70)
+MAX_TP = 2  # tensor-parallel ranks: each has its own KV shard and worker
 MAX_QUEUE = 3  # outputs awaiting update_from_output (async scheduling)
 SETTLE_S = 10.0  # bound on any transfer (the master is healthy)
 
@@ -118,9 +121,10 @@ def prompt(family, length):
 
 
 @functools.cache
-def expected(block_hash: bytes) -> torch.Tensor:
-    """The KV every layer of a block with this hash holds, `[LAYERS, B]`."""
-    digest = hashlib.blake2b(bytes(block_hash), digest_size=8).digest()
+def expected(block_hash: bytes, rank: int) -> torch.Tensor:
+    """The KV rank `rank` holds for a block with this hash, `[LAYERS, B]`."""
+    digest = hashlib.blake2b(bytes(block_hash) + bytes([rank]), digest_size=8)
+    digest = digest.digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest) >> 1)
     return torch.randint(
         0, 256, (LAYERS, LAYER_BYTES), dtype=torch.uint8, generator=gen
@@ -128,21 +132,25 @@ def expected(block_hash: bytes) -> torch.Tensor:
 
 
 class Env:
-    """Module-wide parts: KV tensors registered once, a fresh namespace."""
+    """Module-wide parts: KV shards registered once, fresh namespaces."""
 
     def __init__(self, client):
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BS, sha256)
         self.client = client
-        self.kv = {
-            f"layer{i}": torch.zeros(
-                NUM_BLOCKS, LAYER_BYTES, dtype=torch.uint8
-            )
-            for i in range(LAYERS)
-        }
-        for tensor in self.kv.values():
+        self.kv = [
+            {
+                f"layer{i}": torch.zeros(
+                    NUM_BLOCKS, LAYER_BYTES, dtype=torch.uint8
+                )
+                for i in range(LAYERS)
+            }
+            for _ in range(MAX_TP)
+        ]
+        self.tensors = [t for shard in self.kv for t in shard.values()]
+        for tensor in self.tensors:
             client.register_tensor(tensor)
-        self.layout = KVLayout.from_tensors(self.kv, NUM_BLOCKS)
+        self.layouts = [KVLayout.from_tensors(s, NUM_BLOCKS) for s in self.kv]
         self.run = uuid.uuid4().hex[:8]
         self.examples = 0
 
@@ -158,45 +166,51 @@ class Env:
         )
 
     def write(self, block_id, block_hash):
-        content = expected(block_hash)
-        for i, tensor in enumerate(self.kv.values()):
-            tensor[block_id] = content[i]
+        """What the forward pass writes, on every rank."""
+        for rank, shard in enumerate(self.kv):
+            content = expected(block_hash, rank)
+            for i, tensor in enumerate(shard.values()):
+                tensor[block_id] = content[i]
 
-    def holds(self, block_id, block_hash):
-        content = expected(block_hash)
+    def holds(self, block_id, block_hash, rank):
+        content = expected(block_hash, rank)
         return all(
             torch.equal(tensor[block_id], content[i])
-            for i, tensor in enumerate(self.kv.values())
+            for i, tensor in enumerate(self.kv[rank].values())
         )
 
-    def fresh_store(self):
+    def fresh_store(self, tp):
         """A namespace of its own for one example, so examples repeat.
 
-        Families 0 and 1 (full length) are stored first, as another
-        instance would have.
+        Families 0 and 1 (full length) are stored first, on every rank, as
+        another instance would have.
         """
         self.examples += 1
-        scheme = KeyScheme(
-            namespace=f"fuzz-{self.run}-{self.examples}",
-            model="fuzz",
-            tp_rank=0,
-            tp_size=1,
-            layout=Layout("uint8", BS, LAYERS * LAYER_BYTES, detail="2l"),
-        )
+        schemes = [
+            KeyScheme(
+                namespace=f"fuzz-{self.run}-{self.examples}",
+                model="fuzz",
+                tp_rank=rank,
+                tp_size=tp,
+                layout=Layout("uint8", BS, LAYERS * LAYER_BYTES, detail="2l"),
+            )
+            for rank in range(tp)
+        ]
         for family in (0, 1):
             hashes = self.request("seed", family, max(LENGTHS)).block_hashes
             ids = list(range(1, len(hashes) + 1))
             for block_id, block_hash in zip(ids, hashes, strict=True):
                 self.write(block_id, block_hash)
-            regions = Regions.pieces(*self.layout.pieces(ids))
-            result = self.client.put(scheme.keys(hashes), regions)
-            assert result.ok, list(result)
-        for tensor in self.kv.values():
+            for rank, scheme in enumerate(schemes):
+                regions = Regions.pieces(*self.layouts[rank].pieces(ids))
+                result = self.client.put(scheme.keys(hashes), regions)
+                assert result.ok, list(result)
+        for tensor in self.tensors:
             tensor.zero_()
-        return scheme, _StoreLookup(self.client, (scheme,))
+        return schemes, _StoreLookup(self.client, tuple(schemes))
 
     def close(self):
-        for tensor in self.kv.values():
+        for tensor in self.tensors:
             self.client.unregister(tensor.data_ptr())
 
 
@@ -289,19 +303,19 @@ class OrderingFuzzer(RuleBasedStateMachine):
     def __init__(self, env):
         super().__init__()
         self.env = env
-        scheme, lookup = env.fresh_store()
         self.violations: list[str] = []
         self.pool = BlockPool(NUM_BLOCKS, enable_caching=False,
                               hash_block_size=BS)  # fmt: skip
         self.spy = PinSpy(self.pool, self.violations)
-        self.side = SchedulerSide(block_size=BS, role=Role.BOTH, lookup=lookup)
-        self.side.bind_block_pool(self.spy)
-        self.worker = WorkerSide(env.client, scheme, env.layout, Regions)
+        self.workers: list[WorkerSide] = []
+        self.connect(tp=1)
         self.refs: dict[str, Ref] = {}
         self.outputs: collections.deque[Output] = collections.deque()
         self.finished_since_step: set[str] = set()
         self.jobs_issued = 0
-        self.drained = 0  # job results the worker reported so far
+        self.drained = 0  # job results the workers reported so far
+        self.rank_results = collections.Counter()  # job id -> ranks done
+        self.load_errors: set[int] = set()  # reported, not yet received
         self.settled_jobs: set[int] = set()
         self.jobs: dict[int, TransferJob] = {}
         self.next_id = 0
@@ -309,6 +323,23 @@ class OrderingFuzzer(RuleBasedStateMachine):
         self.recv_delivered = collections.Counter()
         self.send_delivered = collections.Counter()
         self.delayed: set[str] = set()
+
+    def connect(self, tp):
+        """The connector's halves over `tp` ranks, on a fresh namespace."""
+        for worker in self.workers:
+            worker.shutdown()
+        self.tp = tp
+        schemes, lookup = self.env.fresh_store(tp)
+        self.side = SchedulerSide(
+            block_size=BS, role=Role.BOTH, lookup=lookup, world_size=tp
+        )
+        self.side.bind_block_pool(self.spy)
+        self.workers = [
+            WorkerSide(
+                self.env.client, scheme, self.env.layouts[rank], Regions
+            )
+            for rank, scheme in enumerate(schemes)
+        ]
 
     # -- helpers --------------------------------------------------------------
 
@@ -347,10 +378,10 @@ class OrderingFuzzer(RuleBasedStateMachine):
                 self.free(ref)
 
     def wait_for_transfers(self):
-        results = self.worker._done
         deadline = time.monotonic() + SETTLE_S
         while time.monotonic() < deadline:
-            if self.drained + results.qsize() >= self.jobs_issued:
+            queued = sum(w._done.qsize() for w in self.workers)
+            if self.drained + queued >= self.jobs_issued * self.tp:
                 return
             time.sleep(0.001)
         self.violations.append(f"transfers not done within {SETTLE_S} s")
@@ -361,12 +392,17 @@ class OrderingFuzzer(RuleBasedStateMachine):
         runner=st.sampled_from(["v1", "v2"]),
         families=st.lists(st.integers(0, FAMILIES - 1), max_size=4),
         lossy=st.sampled_from([None, None, 1, 2, 3]),
+        tp=st.integers(1, MAX_TP),
     )
-    def start(self, runner, families, lossy):
-        """Pick the model runner and the link; a few requests arrive."""
+    def start(self, runner, families, lossy, tp):
+        """Pick the runner, the ranks and the link; a few requests arrive."""
         self.runner = runner
+        if tp != self.tp:
+            self.connect(tp)
         if lossy is not None:  # a third of the transfers fail, seeded
-            self.worker._store = Flaky(self.env.client, lossy, rate=1 / 3)
+            for rank, worker in enumerate(self.workers):
+                seed = f"{lossy}/{rank}"
+                worker._store = Flaky(self.env.client, seed, rate=1 / 3)
         for i, family in enumerate(families):
             self.add_request(family, LENGTHS[(family + i) % len(LENGTHS)], 1)
 
@@ -439,7 +475,7 @@ class OrderingFuzzer(RuleBasedStateMachine):
         preempt=st.sets(st.integers(0, 50), max_size=2),
         odd_preempt=st.sampled_from(["", "loading", "gone", "unknown"]),
         chunk=st.sampled_from([BS, 2 * BS, 40, 128]),
-        collect=st.booleans(),
+        collect=st.lists(st.booleans(), min_size=MAX_TP, max_size=MAX_TP),
         admit=st.integers(0, 3),
         local=st.integers(0, 2),
     )
@@ -509,7 +545,7 @@ class OrderingFuzzer(RuleBasedStateMachine):
         """The model runner: forward (writes KV), then the worker hooks.
 
         Transfers always run to the end (the run stays deterministic);
-        without `collect` their results are drained a later step, as if
+        a rank not in `collect` drains its results a later step, as if
         they had not finished yet.
         """
         for req_id, todo in scheduled.items():
@@ -519,22 +555,27 @@ class OrderingFuzzer(RuleBasedStateMachine):
             for i in range(ref.computed // BS, last):
                 self.env.write(ref.blocks[i].block_id, ref.hashes[i])
             ref.computed = end
-        self.worker.handle_preemptions(meta)
-        self.worker.start_load_kv(meta)
-        self.worker.wait_for_save(meta)
+        for worker in self.workers:
+            worker.handle_preemptions(meta)
+            worker.start_load_kv(meta)
+            worker.wait_for_save(meta)
         self.wait_for_transfers()
-        recving, invalid, report = None, set(), None
-        if collect:
-            _, recving = self.worker.get_finished()
-            invalid = self.worker.get_block_ids_with_load_errors()
-            report = self.worker.build_report()
-            self.drained += len(report.results) if report else 0
+        recving, invalid, meta_out = set(), set(), None
+        for worker, drain in zip(self.workers, collect, strict=False):
+            if not drain:
+                continue
+            recving |= worker.get_finished()[1] or set()
+            invalid |= worker.get_block_ids_with_load_errors()
+            report = worker.build_report()
+            if report is None:
+                continue
+            self.drained += sum(r.ok + r.failed for r in report.results)
+            rank = LifecycleWorkerMetadata(report)
+            meta_out = rank if meta_out is None else meta_out.aggregate(rank)
         kv = KVConnectorOutput(
-            finished_recving=recving,
+            finished_recving=recving or None,
             invalid_block_ids=invalid,
-            kv_connector_worker_meta=(
-                LifecycleWorkerMetadata(report) if report else None
-            ),
+            kv_connector_worker_meta=meta_out,
         )
         self.outputs.append(Output(kv, meta.step))
 
@@ -562,6 +603,9 @@ class OrderingFuzzer(RuleBasedStateMachine):
         )
         awaited = set()
         for result in results:
+            self.rank_results[result.job_id] += result.ok + result.failed
+            if self.rank_results[result.job_id] < self.tp:
+                continue  # another rank has not finished it yet
             self.settled_jobs.add(result.job_id)
             job = self.jobs[result.job_id]
             ref = self.refs.get(job.req_id)
@@ -611,7 +655,8 @@ class OrderingFuzzer(RuleBasedStateMachine):
             if req_id not in self.delayed:
                 self.violations.append(f"send completion for {req_id}")
             self.delayed.discard(req_id)
-        invalid = set(kv.invalid_block_ids or ())
+        # A rank's load errors may come a step before the completion.
+        self.load_errors |= set(kv.invalid_block_ids or ())
         for req_id in sorted(kv.finished_recving or ()):
             self.recv_delivered[req_id] += 1
             ref = self.refs.get(req_id)
@@ -622,7 +667,7 @@ class OrderingFuzzer(RuleBasedStateMachine):
                     f"await ({state})"
                 )
                 continue
-            self.check_loaded(ref, invalid)
+            self.check_loaded(ref, self.load_errors)
             if ref.status is Status.HELD:
                 ref.status = Status.GONE
                 self.free(ref)
@@ -641,10 +686,14 @@ class OrderingFuzzer(RuleBasedStateMachine):
         for block_id, block_hash in zip(block_ids, hashes, strict=True):
             if block_id in invalid:
                 first_bad = first_bad if first_bad is not None else block_id
-            elif not self.env.holds(block_id, block_hash):
-                self.violations.append(
-                    f"{ref.req_id}: block {block_id} loaded wrong bytes"
-                )
+                continue
+            for rank in range(self.tp):
+                if not self.env.holds(block_id, block_hash, rank):
+                    self.violations.append(
+                        f"{ref.req_id}: block {block_id} loaded wrong bytes "
+                        f"on rank {rank}"
+                    )
+        invalid.difference_update(block_ids)
         if first_bad is not None:  # vLLM recomputes from the first bad one
             ref.computed = min(ref.computed, table.index(first_bad) * BS)
 
@@ -686,7 +735,8 @@ class OrderingFuzzer(RuleBasedStateMachine):
         try:
             self.drain()
         finally:
-            self.worker.shutdown()
+            for worker in self.workers:
+                worker.shutdown()
             self.tally()
 
     def tally(self):
@@ -702,12 +752,16 @@ class OrderingFuzzer(RuleBasedStateMachine):
             self.side.machine.illegal_counts.values()
         )
         COVERAGE["dropped reports"] += self.side.unexpected_reports
-        COVERAGE["failed loads"] += self.worker.jobs_failed[JobKind.LOAD]
+        COVERAGE["failed loads"] += sum(
+            w.jobs_failed[JobKind.LOAD] for w in self.workers
+        )
+        COVERAGE["examples over two ranks"] += self.tp > 1
 
     def step(self):
         """A plain step: nothing preempted or admitted, transfers settled."""
         self.schedule(
-            preempt=set(), odd_preempt="", chunk=BS, collect=True, admit=0,
+            preempt=set(), odd_preempt="", chunk=BS, collect=[True] * MAX_TP,
+            admit=0,
             local=0,
         )  # fmt: skip
 
@@ -731,7 +785,11 @@ class OrderingFuzzer(RuleBasedStateMachine):
         assert self.violations == []
         assert self.live(Status.HELD) == [], "waiting for KV forever"
         assert len(self.side.registry) == 0, list(self.side.registry)
-        worker_left = [(t.req_id, t.state) for t in self.worker.registry]
+        worker_left = [
+            (rank, t.req_id, t.state)
+            for rank, worker in enumerate(self.workers)
+            for t in worker.registry
+        ]
         assert worker_left == [], worker_left
         assert self.side.open_jobs == 0
         assert self.spy.pinned == 0
@@ -785,6 +843,7 @@ COVERAGE_NEEDED = (
     "finished while loading",
     "pins outlived their request",
     "failed loads",
+    "examples over two ranks",
 )
 
 

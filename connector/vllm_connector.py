@@ -242,8 +242,10 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
             raise RuntimeError(msg)
         layout = KVLayout.from_tensors(kv_caches, self._num_blocks)
         for tensor in kv_caches.values():
-            client.register_tensor(tensor)
-            self._registered.append(tensor.data_ptr())
+            # Layers may be views of one storage: register (and later
+            # unregister) each storage once, at its own address.
+            if client.register_tensor(tensor):
+                self._registered.append(tensor.untyped_storage().data_ptr())
         self._worker = WorkerSide(client, self._keys, layout, Regions)
 
     def _meta(self) -> ConnectorMeta | None:

@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
-import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from connector.vllm_connector import MooncakeLifecycleConnector
+from e2e.snapshots import write_json
 from lifecycle import State
 
 if TYPE_CHECKING:
@@ -47,21 +47,6 @@ if TYPE_CHECKING:
 SNAPSHOT_DIR_KEY = "e2e_snapshot_dir"
 CORRUPT_LOADS_KEY = "e2e_corrupt_loads"
 TERMINAL = frozenset({State.FINISHED, State.ABORTED})
-
-
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Replace ``path`` with ``payload`` atomically."""
-    tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(payload, sort_keys=True))
-    tmp.replace(path)
-
-
-def read_snapshots(directory: Path, role: str) -> list[dict[str, Any]]:
-    """Every ``role`` snapshot in ``directory`` (one per process)."""
-    return [
-        json.loads(p.read_text())
-        for p in sorted(directory.glob(f"{role}-*.json"))
-    ]
 
 
 class CountingStore:
@@ -78,6 +63,8 @@ class CountingStore:
         self._corrupt = corrupt
         self._gen = torch.Generator().manual_seed(0)
         self.loaded_blocks = 0
+        self.loaded_bytes = 0
+        self.load_seconds = 0.0  # wall time of the gets, this wrapper's
         self.saved_blocks = 0
         self.corrupted_blocks = 0
 
@@ -92,9 +79,12 @@ class CountingStore:
 
     def get(self, keys: Sequence[str], regions: Regions) -> Any:
         """The inner get; counts (and, as asked, corrupts) blocks read."""
+        started = time.perf_counter()
         result = self._inner.get(keys, regions)
+        self.load_seconds += time.perf_counter() - started
         flags = result.succeeded
         self.loaded_blocks += sum(flags)
+        self.loaded_bytes += result.nbytes
         if self._corrupt:
             for index, ok in enumerate(flags):
                 if ok:
@@ -276,6 +266,8 @@ class ObservedLifecycleConnector(MooncakeLifecycleConnector):
             **self._worker_info,
             "pid": os.getpid(),
             "loaded_blocks": counting.loaded_blocks if counting else 0,
+            "loaded_bytes": counting.loaded_bytes if counting else 0,
+            "load_seconds": counting.load_seconds if counting else 0.0,
             "saved_blocks": counting.saved_blocks if counting else 0,
             "corrupted_blocks": counting.corrupted_blocks if counting else 0,
         }

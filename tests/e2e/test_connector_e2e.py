@@ -23,7 +23,6 @@ import importlib.metadata
 import importlib.util
 import random
 import threading
-import time
 import uuid
 
 import pytest
@@ -49,12 +48,9 @@ from e2e.engine import (
     EngineProcess,
     EngineSpec,
 )
-from e2e.lifecycle_connectors import (
-    CORRUPT_LOADS_KEY,
-    SNAPSHOT_DIR_KEY,
-    read_snapshots,
-)
+from e2e.lifecycle_connectors import CORRUPT_LOADS_KEY, SNAPSHOT_DIR_KEY
 from e2e.make_model import SIZES, ensure_model
+from e2e.snapshots import only_snapshot, settle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.mooncake]
 
@@ -64,7 +60,6 @@ MAX_TOKENS = 16
 # 41 and 71: partial last blocks; 96: exactly 3 blocks, of which only 2
 # may load (one prompt token must be computed); 20: shorter than a block.
 A_LENS = (41, 71, 96, 20)
-FLUSH_PROMPT = [7] * 8  # under one block: no save, no load
 
 TOPOLOGIES = [
     pytest.param(False, id="inproc"),
@@ -171,31 +166,8 @@ def baseline(model):
         }
 
 
-def scheduler_snapshot(snapshot_dir):
-    (snap,) = read_snapshots(snapshot_dir, "scheduler")
-    return snap
-
-
 def worker_snapshot(snapshot_dir):
-    (snap,) = read_snapshots(snapshot_dir, "worker")
-    return snap
-
-
-def settle(engine, snapshot_dir, tries=20):
-    """Serve tiny requests until no transfer job is open; the last snapshot.
-
-    A generate call returns when its requests finish, possibly before their
-    saves report; each flush request steps the engine, and its
-    ``request_finished`` records what anything else still holds.
-    """
-    snap = {}
-    for _ in range(tries):
-        engine.generate([FLUSH_PROMPT], 2)
-        snap = scheduler_snapshot(snapshot_dir)
-        if snap["open_jobs"] == snap["at_last_finish"]["open_jobs"] == 0:
-            break
-        time.sleep(0.05)
-    return snap
+    return only_snapshot(snapshot_dir, "worker")
 
 
 def assert_nothing_leaked(snap):

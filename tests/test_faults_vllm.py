@@ -64,7 +64,11 @@ def faulty(start_master, unique):
         return h
 
     yield master, make
-    clients = {h.scheduler_connector._client for h in made}
+    clients = {
+        c._client
+        for h in made
+        for c in (h.scheduler_connector, h.worker_connector)
+    }
     for h in reversed(made):
         h.close()
     for client in clients:

@@ -565,7 +565,10 @@ class _Replayer:
             self._diverged(r, ILLEGAL)
 
     def _diverged(self, r: Record, replayed: str) -> None:
-        self.result.divergences.append(Divergence(r, replayed))
+        """Note one divergence per line (the first thing that differed)."""
+        seen = self.result.divergences
+        if not seen or seen[-1].record is not r:
+            seen.append(Divergence(r, replayed))
 
 
 def replay(lines: Iterable[str], *, table: Table = TABLE) -> Replay:

@@ -222,7 +222,7 @@ class StatsSource:
         self._machine = machine
         self._store = store
         self._seen: dict[str, dict[str, int]] = {k: {} for k in COUNTS}
-        self._trips = 0
+        self._trips = store.breaker_trips if store is not None else 0
 
     def take(self) -> LifecycleConnectorStats | None:
         """The figures since the last call, or None if there are none."""

@@ -82,7 +82,13 @@ class MetricName:
 
 
 def _empty() -> dict[str, Any]:
-    return {"transitions": {}, "illegal": {}, "stale": {}, "store": {}}
+    return {
+        "transitions": {},
+        "illegal": {},
+        "stale": {},
+        "store": {},
+        "breaker_trips": 0,
+    }
 
 
 def _add(into: dict[str, int], counts: dict[str, int]) -> None:
@@ -99,10 +105,20 @@ class LifecycleConnectorStats(KVConnectorStats):
     """
 
     def __post_init__(self) -> None:
-        if not self.data:
-            self.reset()
-        for key, value in _empty().items():
-            self.data.setdefault(key, value)
+        # Own the payload: vLLM hands the same dict to several loggers,
+        # and `aggregate` adds into this object's counters in place.
+        given, self.data = self.data, _empty()
+        self.data["breaker_trips"] = given.get("breaker_trips", 0)
+        for key in COUNTS:
+            self.data[key] = dict(given.get(key, {}))
+        self.data["store"] = {
+            op: {
+                **{k: f.get(k, 0) for k in OP_COUNTERS},
+                "failures": dict(f.get("failures", {})),
+                "latencies_s": list(f.get("latencies_s", ())),
+            }
+            for op, f in given.get("store", {}).items()
+        }
 
     def reset(self) -> None:
         """Start an empty interval."""
@@ -119,7 +135,7 @@ class LifecycleConnectorStats(KVConnectorStats):
         return not (
             any(self.data[k] for k in COUNTS)
             or self.data["store"]
-            or self.data.get("breaker_trips")
+            or self.data["breaker_trips"]
         )
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -137,8 +153,7 @@ class LifecycleConnectorStats(KVConnectorStats):
             _add(mine["failures"], figures.get("failures", {}))
             samples = [*mine["latencies_s"], *figures.get("latencies_s", ())]
             mine["latencies_s"] = samples[-MAX_LATENCY_SAMPLES:]
-        trips = self.data.get("breaker_trips", 0)
-        self.data["breaker_trips"] = trips + theirs.get("breaker_trips", 0)
+        self.data["breaker_trips"] += theirs.get("breaker_trips", 0)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -157,7 +172,7 @@ class LifecycleConnectorStats(KVConnectorStats):
             out[f"Store {op} p90 ms"] = _ms(_percentile(samples, 0.9))
             out[f"Store {op} MB"] = round(f["bytes"] / 2**20, 3)
             out[f"Store {op} failed keys"] = sum(f["failures"].values())
-        if self.data.get("breaker_trips"):
+        if self.data["breaker_trips"]:
             out["Store breaker trips"] = self.data["breaker_trips"]
         return out
 

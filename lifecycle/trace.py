@@ -445,6 +445,8 @@ class Replay:
             width = max((len(k) for k in counts[title]), default=0)
             rows = sorted(counts[title].items())
             out.extend(f"  {k:<{width}}  {n}" for k, n in rows)
+            if not rows:
+                out.append("  none")
         return "\n".join(out) + "\n"
 
 

@@ -91,6 +91,16 @@ def _empty() -> dict[str, Any]:
     }
 
 
+def _is_empty(data: dict[str, Any]) -> bool:
+    return not (
+        data["transitions"]
+        or data["illegal"]
+        or data["stale"]
+        or data["store"]
+        or data["breaker_trips"]
+    )
+
+
 def _add(into: dict[str, int], counts: dict[str, int]) -> None:
     for key, n in counts.items():
         into[key] = into.get(key, 0) + n
@@ -132,11 +142,7 @@ class LifecycleConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         """Whether nothing was counted in this interval."""
-        return not (
-            any(self.data[k] for k in COUNTS)
-            or self.data["store"]
-            or self.data["breaker_trips"]
-        )
+        return _is_empty(self.data)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Fold `other` (another rank, half or step) into this one."""
@@ -236,16 +242,20 @@ class StatsSource:
     ) -> None:
         self._machine = machine
         self._store = store
-        self._seen: dict[str, dict[str, int]] = {k: {} for k in COUNTS}
+        self._rows: tuple[str, ...] = ()
+        self._seen_rows: tuple[int, ...] = ()
+        if machine is not None:
+            rows = machine.table.rows
+            self._rows = tuple(pair_key(r.source, r.event) for r in rows)
+            self._seen_rows = (0,) * len(rows)
+        self._seen: dict[str, dict[str, int]] = {"illegal": {}, "stale": {}}
         self._trips = store.breaker_trips if store is not None else 0
 
     def take(self) -> LifecycleConnectorStats | None:
         """The figures since the last call, or None if there are none."""
         data = _empty()
         if self._machine is not None:
-            for key, now in self._counts(self._machine).items():
-                data[key] = _delta(now, self._seen[key])
-                self._seen[key] = now
+            self._take_lifecycle(self._machine, data)
         if self._store is not None:
             snapshot = self._store.snapshot(reset=True)
             data["store"] = {
@@ -255,21 +265,28 @@ class StatsSource:
             if trips != self._trips:
                 data["breaker_trips"] = trips - self._trips
                 self._trips = trips
-        stats = LifecycleConnectorStats(data=data)
-        return None if stats.is_empty() else stats
+        return None if _is_empty(data) else LifecycleConnectorStats(data=data)
 
-    @staticmethod
-    def _counts(machine: LifecycleMachine) -> dict[str, dict[str, int]]:
+    def _take_lifecycle(
+        self, machine: LifecycleMachine, data: dict[str, Any]
+    ) -> None:
+        rows = machine.row_counts()
+        if rows != self._seen_rows:
+            data["transitions"] = {
+                key: n - seen
+                for key, n, seen in zip(
+                    self._rows, rows, self._seen_rows, strict=True
+                )
+                if n != seen
+            }
+            self._seen_rows = rows
         illegal, stale = machine.rejected_counts()
-        return {
-            "transitions": {
-                pair_key(row.source, row.event): n
-                for row, n in machine.transition_counts().items()
-                if n
-            },
-            "illegal": {pair_key(s, e): n for (s, e), n in illegal.items()},
-            "stale": {pair_key(s, e): n for (s, e), n in stale.items()},
-        }
+        for key, counts in (("illegal", illegal), ("stale", stale)):
+            if not counts:
+                continue
+            now = {pair_key(s, e): n for (s, e), n in counts.items()}
+            data[key] = _delta(now, self._seen[key])
+            self._seen[key] = now
 
 
 class LifecyclePromMetrics(KVConnectorPromMetrics):

@@ -333,6 +333,11 @@ class LifecycleMachine(Machine):
         with self._lock:
             return dict(zip(self._rows, self._counts, strict=True))
 
+    def row_counts(self) -> tuple[int, ...]:
+        """`transition_counts` as a tuple in `table.rows` order (cheap)."""
+        with self._lock:
+            return tuple(self._counts)
+
     def rejected_counts(
         self,
     ) -> tuple[

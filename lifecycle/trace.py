@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from json.encoder import encode_basestring_ascii as _quote
 from pathlib import Path
 from typing import Any, Final, TextIO
 
@@ -47,6 +48,13 @@ ILLEGAL: Final = "illegal"
 STALE: Final = "stale"
 UNKNOWN: Final = "unknown"
 """How an untracked request's state is spelled in counts keys."""
+
+_Q: Final = '"'
+
+
+def _json_int(value: int | None) -> str:
+    return "null" if value is None else str(int(value))
+
 
 # Replayed illegal orderings are reported, not logged again.
 _REPLAY_LOG: Final = logging.getLogger("lifecycle.trace.replay")
@@ -165,41 +173,51 @@ class TraceWriter:
         *,
         job_epoch: int | None = None,
     ) -> None:
-        record: dict[str, object] = {
-            "time": self._clock(),
-            "req_id": req_id,
-            "epoch": epoch,
-            "state": state,
-            "event": event,
-            "outcome": outcome,
-        }
-        if job_epoch is not None:
-            record["job_epoch"] = job_epoch
+        if self.written >= self.max_events:
+            self._drop()
+            return
+        # State names and event values are identifiers: only the id needs
+        # escaping.  Hand-built: a third of the cost of json.dumps.
+        line = (
+            f'{{"time":{self._clock()!r},"req_id":{_quote(req_id)},'
+            f'"epoch":{_json_int(epoch)},'
+            f'"state":{"null" if state is None else f"{_Q}{state}{_Q}"},'
+            f'"event":"{event}","outcome":"{outcome}"'
+            + ("}\n" if job_epoch is None else f',"job_epoch":{job_epoch}}}\n')
+        )
         with self._lock:
             stream = self._stream
             if stream is None:
                 return
             if self.written >= self.max_events:
-                if not self.dropped:
-                    log.warning(
-                        "lifecycle trace %s is full (%d events): "
-                        "dropping the rest",
-                        self.name,
-                        self.max_events,
-                    )
-                self.dropped += 1
+                self._drop_locked()
                 return
             self.written += 1
-            self._write(stream, record)
+            self._write_line(stream, line)
 
-    def _meta(self, record: dict[str, object]) -> None:
+    def _drop(self) -> None:
         with self._lock:
             if self._stream is not None:
-                self._write(self._stream, record)
+                self._drop_locked()
 
-    def _write(self, stream: TextIO, record: dict[str, object]) -> None:
+    def _drop_locked(self) -> None:
+        if not self.dropped:
+            log.warning(
+                "lifecycle trace %s is full (%d events): dropping the rest",
+                self.name,
+                self.max_events,
+            )
+        self.dropped += 1
+
+    def _meta(self, record: dict[str, object]) -> None:
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._stream is not None:
+                self._write_line(self._stream, line)
+
+    def _write_line(self, stream: TextIO, line: str) -> None:
         """Write one line (lock held); flush if the interval has passed."""
-        stream.write(json.dumps(record, separators=(",", ":")) + "\n")
+        stream.write(line)
         now = time.monotonic()
         if now - self._last_flush >= self._flush_interval:
             stream.flush()

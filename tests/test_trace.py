@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from connector.config import StoreConfig, TraceConfig
 from connector.errors import ConfigError
-from lifecycle import Event, LifecycleMachine, Registry, State, Tracker
+from lifecycle import (
+    Event,
+    IllegalTransition,
+    LifecycleMachine,
+    Registry,
+    State,
+    Tracker,
+)
 from lifecycle.__main__ import main
 from lifecycle.trace import (
     DEFAULT_MAX_EVENTS,
@@ -356,3 +363,33 @@ class TestTraceConfig:
         with caplog.at_level(logging.WARNING):
             StoreConfig.from_extra_config(extra)
         assert not [r for r in caplog.records if "lifecycle" in r.getMessage()]
+
+
+def test_any_request_id_round_trips(traced):
+    machine, registry, writer, path = traced
+    odd = 'a"b\\c\u00e9\n\u2028{}'
+    registry.get_or_create(odd)
+    drive(registry, odd, [E.LOOKUP, E.ALLOC_LOCAL, E.FINISH])
+    writer.close()
+    result = replay_file(path)
+    assert list(result.requests) == [odd]
+    assert result.requests[odd].path().endswith("-finish-> FINISHED")
+    assert summarize(result.machine) == summarize(machine)
+
+
+def test_strict_mode_traces_the_illegal_event_before_raising(tmp_path):
+    machine = LifecycleMachine(strict=True)
+    registry = Registry(machine, Tracker)
+    path = tmp_path / "t.jsonl"
+    writer = TraceWriter.open(path)
+    writer.attach(machine)
+    registry.get_or_create("r")
+    with pytest.raises(IllegalTransition):
+        registry.fire("r", E.LOAD_DONE)
+    with pytest.raises(IllegalTransition):
+        registry.fire("nobody", E.ABORT)
+    writer.close()
+    assert [(r["state"], r["outcome"]) for r in events_of(path)] == [
+        ("NEW", ILLEGAL),
+        (None, ILLEGAL),
+    ]

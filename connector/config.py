@@ -566,7 +566,8 @@ class TraceConfig:
     """The connector's lifecycle trace (off by default).
 
     Read from ``kv_connector_extra_config`` keys ``lifecycle_trace`` (a
-    JSONL file the scheduler appends every lifecycle event to) and
+    JSONL file the scheduler appends every lifecycle event to; ``{pid}``
+    in it becomes the process id, one file per engine) and
     ``lifecycle_trace_max_events`` (event lines written at most; later
     events are dropped, counted and logged once).
 
@@ -577,6 +578,12 @@ class TraceConfig:
 
     path: str | None = None
     max_events: int = DEFAULT_MAX_EVENTS
+
+    def file_for(self, pid: int) -> str | None:
+        """The trace file of process `pid`: ``{pid}`` in `path` expanded."""
+        return (
+            None if self.path is None else self.path.replace("{pid}", str(pid))
+        )
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object]) -> TraceConfig:

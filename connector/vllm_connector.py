@@ -20,6 +20,7 @@ which hold no vLLM import.  Importing it imports vLLM.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, Final
 
@@ -121,13 +122,14 @@ def _open_trace(
     trace: TraceConfig, scheduler: SchedulerSide | None
 ) -> TraceWriter | None:
     """Trace the scheduler half's machine if `lifecycle_trace` is set."""
-    if scheduler is None or trace.path is None:
+    path = trace.file_for(os.getpid())
+    if scheduler is None or path is None:
         return None
     try:
-        writer = TraceWriter.open(trace.path, max_events=trace.max_events)
+        writer = TraceWriter.open(path, max_events=trace.max_events)
     except TraceError as exc:
         key = "lifecycle_trace"
-        raise ConfigError(key, trace.path, exc.reason) from exc
+        raise ConfigError(key, path, exc.reason) from exc
     writer.attach(scheduler.machine)
     return writer
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -338,6 +339,13 @@ class TestTraceConfig:
         )
         assert config == TraceConfig("/var/log/t.jsonl", 7)
 
+    def test_pid_placeholder_gives_one_file_per_engine(self):
+        config = TraceConfig.from_extra_config(
+            {"lifecycle_trace": "/var/log/kv-{pid}.jsonl"}
+        )
+        assert config.file_for(42) == "/var/log/kv-42.jsonl"
+        assert TraceConfig().file_for(42) is None
+
     @pytest.mark.parametrize(
         ("key", "value"),
         [
@@ -393,3 +401,46 @@ def test_strict_mode_traces_the_illegal_event_before_raising(tmp_path):
         ("NEW", ILLEGAL),
         (None, ILLEGAL),
     ]
+
+
+def test_lines_reach_the_file_within_the_flush_interval(tmp_path):
+    machine = LifecycleMachine()
+    registry = Registry(machine, Tracker)
+    path = tmp_path / "t.jsonl"
+    writer = TraceWriter.open(path, flush_interval=0.05)
+    writer.attach(machine)
+    registry.get_or_create("r")
+    registry.fire("r", E.LOOKUP)
+    deadline = time.monotonic() + 5
+    while len(events_of(path)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(events_of(path)) == 1  # before close, while idle
+    writer.close()
+
+
+def test_two_writers_on_one_file_never_split_lines(tmp_path):
+    path = tmp_path / "shared.jsonl"
+    machines = [LifecycleMachine() for _ in range(2)]
+    writers = [TraceWriter.open(path, flush_interval=0.001) for _ in machines]
+    for writer, machine in zip(writers, machines, strict=True):
+        writer.attach(machine)
+
+    def work(machine, name):
+        registry = Registry(machine, Tracker)
+        for i in range(300):
+            registry.get_or_create(f"{name}{i}")
+            drive(registry, f"{name}{i}", [E.LOOKUP, E.ALLOC_LOCAL, E.FINISH])
+
+    threads = [
+        threading.Thread(target=work, args=(m, n))
+        for m, n in zip(machines, "ab", strict=True)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for writer in writers:
+        writer.close()
+    result = replay_file(path)
+    assert result.malformed == []
+    assert result.events == 2 * 300 * 3

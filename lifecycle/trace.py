@@ -52,6 +52,10 @@ UNKNOWN: Final = "unknown"
 _Q: Final = '"'
 
 
+def _state_name(state: State | None) -> str:
+    return UNKNOWN if state is None else state.name
+
+
 def _json_int(value: int | None) -> str:
     return "null" if value is None else str(int(value))
 
@@ -277,7 +281,7 @@ class TraceWriter:
 
 def pair_key(state: State | None, event: Event) -> str:
     """``"STATE/event"``: how (state, event) counts are keyed in reports."""
-    return f"{UNKNOWN if state is None else state.name}/{event.value}"
+    return f"{_state_name(state)}/{event.value}"
 
 
 def summarize(machine: LifecycleMachine) -> dict[str, dict[str, int]]:
@@ -372,7 +376,7 @@ class RequestReplay:
         """``NEW -lookup-> NEW -alloc_local-> SAVING ...``, runs folded."""
         parts: list[str] = []
         start = self.steps[0].state if self.steps else None
-        parts.append(UNKNOWN if start is None else start.name)
+        parts.append(_state_name(start))
         previous: tuple[str, str] | None = None
         repeat = 0
         for step in self.steps:
@@ -404,7 +408,7 @@ class RequestReplay:
             if first is None
             else {
                 "line": first.line,
-                "state": UNKNOWN if first.state is None else first.state.name,
+                "state": _state_name(first.state),
                 "event": first.event.value,
                 "epoch": first.epoch,
             },
@@ -469,10 +473,10 @@ class Replay:
             out.append(f"{key}: {request.path()}")
             first = request.first_illegal
             if first is not None:
-                where = UNKNOWN if first.state is None else first.state.name
                 out.append(
                     f"    first illegal ordering: line {first.line}: "
-                    f"`{first.event.value}` in {where} (epoch {first.epoch})"
+                    f"`{first.event.value}` in {_state_name(first.state)} "
+                    f"(epoch {first.epoch})"
                 )
         for d in self.divergences[:20]:
             r = d.record
@@ -490,10 +494,6 @@ class Replay:
             if not rows:
                 out.append("  none")
         return "\n".join(out) + "\n"
-
-
-def _state_name(state: State | None) -> str:
-    return UNKNOWN if state is None else state.name
 
 
 def parse(text: str, line: int) -> Record | dict[str, Any]:

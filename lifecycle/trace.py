@@ -126,6 +126,9 @@ class TraceWriter:
         self._lock = threading.Lock()  # the counters and the batch
         self._io_lock = threading.Lock()  # batches reach the file in order
         self._machines: list[LifecycleMachine] = []
+        # One bound method each, so `remove_observer` finds them again.
+        self._on_transition = self.transition
+        self._on_rejected = self.rejected
         self._stop = threading.Event()
         self._meta({"meta": "start", "time": clock(), "pid": os.getpid()})
         self._flusher = threading.Thread(
@@ -151,8 +154,8 @@ class TraceWriter:
 
     def attach(self, machine: LifecycleMachine) -> None:
         """Trace every event `machine` applies or refuses from now on."""
-        machine.add_observer(self.transition)
-        machine.add_reject_observer(self.rejected)
+        machine.add_observer(self._on_transition)
+        machine.add_reject_observer(self._on_rejected)
         self._machines.append(machine)
 
     def transition(
@@ -256,8 +259,8 @@ class TraceWriter:
     def close(self) -> None:
         """Detach, record the dropped count, flush and close; idempotent."""
         for machine in self._machines:
-            machine.remove_observer(self.transition)
-            machine.remove_observer(self.rejected)
+            machine.remove_observer(self._on_transition)
+            machine.remove_observer(self._on_rejected)
         self._machines.clear()
         self._stop.set()
         if self._flusher is not threading.current_thread():

@@ -182,7 +182,7 @@ def test_the_bound_is_respected_and_dropped_events_are_counted(
 
 
 def test_closing_detaches_and_is_idempotent(traced):
-    _, registry, writer, path = traced
+    machine, registry, writer, path = traced
     registry.get_or_create("r")
     registry.fire("r", E.LOOKUP)
     writer.close()
@@ -191,6 +191,8 @@ def test_closing_detaches_and_is_idempotent(traced):
     registry.fire("nobody", E.FINISH)
     assert writer.closed
     assert len(events_of(path)) == 1
+    assert machine._observers == ()
+    assert machine._reject_observers == ()
 
 
 def test_sessions_append_and_replay_separately(tmp_path):

@@ -178,6 +178,8 @@ class LifecycleConnectorStats(KVConnectorStats):
             out[f"Store {op} p90 ms"] = _ms(_percentile(samples, 0.9))
             out[f"Store {op} MB"] = round(f["bytes"] / 2**20, 3)
             out[f"Store {op} failed keys"] = sum(f["failures"].values())
+            if f["short_circuited"]:
+                out[f"Store {op} short-circuited"] = f["short_circuited"]
         if self.data["breaker_trips"]:
             out["Store breaker trips"] = self.data["breaker_trips"]
         return out

@@ -155,6 +155,9 @@ def test_aggregate_sums_ranks_and_reduce_summarises():
     assert reduced["Store get p90 ms"] == 4.0
     assert reduced["Store get failed keys"] == 2
     assert reduced["Store get MB"] == round(4096 / 2**20, 3)
+    assert "Store get short-circuited" not in reduced
+    rank1.data["store"]["get"]["short_circuited"] = 2
+    assert rank1.reduce()["Store get short-circuited"] == 2
     assert rank1.data["transitions"] == {"NEW/lookup": 1, "SAVING/preempt": 1}
 
 

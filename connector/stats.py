@@ -12,8 +12,10 @@ The payload (`KVConnectorStats.data`) holds only str keys, ints, floats
 and lists, so it survives pickling and msgpack::
 
     {"transitions": {"SAVING/preempt": 2, ...},   # by (state, event)
-     "illegal": {"unknown/finish": 1, ...},
+     "illegal": {"unknown/finish": 1, ...},       # of the scheduler half
      "stale": {"RESET/save_done": 1, ...},
+     "worker_transitions": {...},                 # the worker half's own
+     "worker_illegal": {...}, "worker_stale": {...},   # machine (per rank)
      "store": {"get": {"ops": 3, "keys": 12, "bytes": 3145728,
                        "short_circuited": 0, "failures": {"MISS": 1},
                        "latencies_s": [0.0012, ...]}, ...},
@@ -41,7 +43,10 @@ if TYPE_CHECKING:
     from connector.store import OpStats, StoreStats
     from lifecycle import LifecycleMachine
 
-COUNTS: Final = ("transitions", "illegal", "stale")
+KINDS: Final = ("transitions", "illegal", "stale")
+HALVES: Final = {"scheduler": "", "worker": "worker_"}
+"""Each half's machine counts under its own prefix: both see one event."""
+COUNTS: Final = tuple(f"{p}{k}" for p in HALVES.values() for k in KINDS)
 """The lifecycle sections of the payload, keyed by ``"STATE/event"``."""
 OP_COUNTERS: Final = ("ops", "keys", "bytes", "short_circuited")
 MAX_LATENCY_SAMPLES: Final = 4096
@@ -82,20 +87,15 @@ class MetricName:
 
 
 def _empty() -> dict[str, Any]:
-    return {
-        "transitions": {},
-        "illegal": {},
-        "stale": {},
-        "store": {},
-        "breaker_trips": 0,
-    }
+    data: dict[str, Any] = {key: {} for key in COUNTS}
+    data["store"] = {}
+    data["breaker_trips"] = 0
+    return data
 
 
 def _is_empty(data: dict[str, Any]) -> bool:
     return not (
-        data["transitions"]
-        or data["illegal"]
-        or data["stale"]
+        any(data[key] for key in COUNTS)
         or data["store"]
         or data["breaker_trips"]
     )
@@ -171,6 +171,11 @@ class LifecycleConnectorStats(KVConnectorStats):
         }
         for pair, n in sorted(self.data["illegal"].items()):
             out[f"Illegal {pair}"] = n
+        if any(self.data[f"worker_{k}"] for k in KINDS):
+            worker = {k: self.data[f"worker_{k}"] for k in KINDS}
+            out["Worker transitions"] = sum(worker["transitions"].values())
+            out["Worker illegal events"] = sum(worker["illegal"].values())
+            out["Worker stale events"] = sum(worker["stale"].values())
         for op, f in sorted(self.data["store"].items()):
             samples = sorted(f["latencies_s"])
             out[f"Store {op} ops"] = f["ops"]
@@ -232,8 +237,10 @@ class StatsSource:
     reset, so two halves sharing one client never count a call twice).
 
     Args:
-        machine: The scheduler half's lifecycle machine, if any.
+        machine: The half's lifecycle machine, if any (or `watch` later).
         store: The store client's stats, if any.
+        half: ``"scheduler"`` or ``"worker"``: which payload sections the
+            machine's counts go to.
     """
 
     def __init__(
@@ -241,17 +248,30 @@ class StatsSource:
         *,
         machine: LifecycleMachine | None = None,
         store: StoreStats | None = None,
+        half: str = "scheduler",
     ) -> None:
-        self._machine = machine
+        if half not in HALVES:
+            msg = f"half must be one of {sorted(HALVES)}, got {half!r}"
+            raise ValueError(msg)
+        self._prefix = HALVES[half]
         self._store = store
-        self._rows: tuple[str, ...] = ()
-        self._seen_rows: tuple[int, ...] = ()
-        if machine is not None:
-            rows = machine.table.rows
-            self._rows = tuple(pair_key(r.source, r.event) for r in rows)
-            self._seen_rows = (0,) * len(rows)
-        self._seen: dict[str, dict[str, int]] = {"illegal": {}, "stale": {}}
         self._trips = store.breaker_trips if store is not None else 0
+        self._machine: LifecycleMachine | None = None
+        if machine is not None:
+            self.watch(machine)
+
+    def watch(self, machine: LifecycleMachine) -> None:
+        """Report `machine`'s counts from now on (the worker's comes late)."""
+        self._rows = tuple(
+            pair_key(r.source, r.event) for r in machine.table.rows
+        )
+        self._seen_rows = machine.row_counts()
+        illegal, stale = machine.rejected_counts()
+        self._seen = {
+            "illegal": {pair_key(s, e): n for (s, e), n in illegal.items()},
+            "stale": {pair_key(s, e): n for (s, e), n in stale.items()},
+        }
+        self._machine = machine
 
     def take(self) -> LifecycleConnectorStats | None:
         """The figures since the last call, or None if there are none."""
@@ -272,9 +292,10 @@ class StatsSource:
     def _take_lifecycle(
         self, machine: LifecycleMachine, data: dict[str, Any]
     ) -> None:
+        prefix = self._prefix
         rows = machine.row_counts()
         if rows != self._seen_rows:
-            data["transitions"] = {
+            data[f"{prefix}transitions"] = {
                 key: n - seen
                 for key, n, seen in zip(
                     self._rows, rows, self._seen_rows, strict=True
@@ -287,14 +308,15 @@ class StatsSource:
             if not counts:
                 continue
             now = {pair_key(s, e): n for (s, e), n in counts.items()}
-            data[key] = _delta(now, self._seen[key])
+            data[f"{prefix}{key}"] = _delta(now, self._seen[key])
             self._seen[key] = now
 
 
 class LifecyclePromMetrics(KVConnectorPromMetrics):
     """Registers the connector's Prometheus metrics and records payloads.
 
-    Counters by (state, event) for transitions, illegal and stale events;
+    Counters by (half, state, event) for transitions, illegal and stale
+    events;
     per store operation: calls, keys, bytes, failed keys by outcome and a
     latency histogram; breaker trips.
     """
@@ -309,7 +331,7 @@ class LifecyclePromMetrics(KVConnectorPromMetrics):
         super().__init__(
             vllm_config, metric_types, labelnames, per_engine_labelvalues
         )
-        pair = [*labelnames, "state", "event"]
+        pair = [*labelnames, "half", "state", "event"]
         op = [*labelnames, "operation"]
         # vLLM types the classes as a union; these are the two we use.
         counter = cast("type[Counter]", self._counter_cls)
@@ -375,10 +397,11 @@ class LifecyclePromMetrics(KVConnectorPromMetrics):
         """Record one payload (`LifecycleConnectorStats.data`)."""
         engine = self.per_engine_labelvalues[engine_idx]
         data = transfer_stats_data
-        for key, metric in self._by_pair.items():
-            for pair, n in data.get(key, {}).items():
-                state, _, event = pair.partition("/")
-                metric.labels(*engine, state, event).inc(n)
+        for half, prefix in HALVES.items():
+            for kind, metric in self._by_pair.items():
+                for pair, n in data.get(f"{prefix}{kind}", {}).items():
+                    state, _, event = pair.partition("/")
+                    metric.labels(*engine, half, state, event).inc(n)
         for op, figures in data.get("store", {}).items():
             for key, metric in self._by_op.items():
                 if figures.get(key):

@@ -198,6 +198,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         self._stats = StatsSource(
             machine=self._scheduler.machine if self._scheduler else None,
             store=self._client.stats,
+            half="scheduler" if self._scheduler else "worker",
         )
 
     # ------------------------------------------------------- scheduler side
@@ -283,6 +284,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
             register=client.register,
         )
         self._registered.extend(self._worker.registered)
+        self._stats.watch(self._worker.machine)
 
     def _meta(self) -> ConnectorMeta | None:
         bound = self._connector_metadata

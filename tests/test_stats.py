@@ -97,6 +97,29 @@ def test_source_reports_what_happened_since_the_last_take(lifecycle):
     assert second.data["store"] == {}
 
 
+def test_the_worker_half_reports_its_own_machine_apart(lifecycle):
+    machine, registry = lifecycle
+    registry.get_or_create("early")
+    registry.fire("early", E.LOOKUP)  # before `watch`: not reported
+    source = StatsSource(half="worker")
+    assert source.take() is None
+    source.watch(machine)
+    registry.get_or_create("r")
+    registry.fire("r", E.ALLOC_EXTERNAL)
+    registry.fire("r", E.LOAD_DONE, epoch=3)
+    stats = source.take()
+    assert stats is not None
+    assert stats.data["worker_transitions"] == {"NEW/alloc_external": 1}
+    assert stats.data["worker_stale"] == {"LOADING/load_done": 1}
+    assert stats.data["transitions"] == {}
+    reduced = stats.reduce()
+    assert reduced["Worker transitions"] == 1
+    assert reduced["Worker stale events"] == 1
+    assert reduced["Lifecycle transitions"] == 0
+    with pytest.raises(ValueError, match="half"):
+        StatsSource(half="both")
+
+
 def test_two_halves_sharing_a_client_never_count_a_call_twice():
     store = StoreStats()
     scheduler, worker = StatsSource(store=store), StatsSource(store=store)
@@ -210,15 +233,25 @@ def test_prometheus_metrics_follow_vllm_names_and_count():
     assert isinstance(prom, LifecyclePromMetrics)
     data = payload({"SAVING/preempt": 2}, get_ops=2, latencies=[0.002, 0.2])
     data["illegal"] = {"unknown/finish": 1}
+    data["worker_stale"] = {"RESET/save_done": 3}
     data["breaker_trips"] = 1
     prom.observe(data, engine_idx=1)
     prom.observe(data, engine_idx=1)
     engine = {"model_name": "m", "engine": "1"}
     value = registry.get_sample_value
-    pair = {**engine, "state": "SAVING", "event": "preempt"}
+    scheduler = {**engine, "half": "scheduler"}
+    pair = {**scheduler, "state": "SAVING", "event": "preempt"}
     assert value(MetricName.TRANSITIONS, pair) == 4
-    unknown = {**engine, "state": "unknown", "event": "finish"}
+    unknown = {**scheduler, "state": "unknown", "event": "finish"}
     assert value(MetricName.ILLEGAL, unknown) == 2
+    stale = {
+        **engine,
+        "half": "worker",
+        "state": "RESET",
+        "event": "save_done",
+    }
+    assert value(MetricName.STALE, stale) == 6
+    assert value(MetricName.STALE, {**stale, "half": "scheduler"}) is None
     get = {**engine, "operation": "get"}
     assert value(MetricName.STORE_OPS, get) == 4
     assert value(MetricName.STORE_BYTES, get) == 4096

@@ -71,6 +71,14 @@ def capture_outputs(h):
     return payloads
 
 
+def counts_of(machine):
+    return {
+        pair_key(r.source, r.event): n
+        for r, n in machine.transition_counts().items()
+        if n
+    }
+
+
 def vllm_log_line(h, payloads):
     """What vLLM's `KVConnectorLogging` logs for the payloads."""
     logging_ = KVConnectorLogging(h.vllm_config.kv_transfer_config)
@@ -122,12 +130,10 @@ def test_stats_flow_through_the_real_scheduler_and_vllm_loggers(
         leftover = connector.get_kv_connector_stats()
         if leftover is not None:
             total.aggregate(leftover)
-    machine = side(b).machine
-    assert total.data["transitions"] == {
-        pair_key(r.source, r.event): n
-        for r, n in machine.transition_counts().items()
-        if n
-    }
+    assert total.data["transitions"] == counts_of(side(b).machine)
+    worker = b.worker_connector.worker_side.machine
+    assert total.data["worker_transitions"] == counts_of(worker)
+    assert total.data["worker_transitions"]["LOADING/load_done"] == 1
     assert total.data["illegal"] == {"unknown/finish": 1}
     store = total.data["store"]
     block_bytes = b.worker_connector.worker_side.layout.block_bytes
@@ -153,7 +159,8 @@ def test_stats_flow_through_the_real_scheduler_and_vllm_loggers(
         seen.aggregate(LifecycleConnectorStats(data=data))
     for pair, n in seen.data["transitions"].items():
         state, event = pair.split("/")
-        labels = {**engine, "state": state, "event": event}
+        labels = {**engine, "half": "scheduler", "state": state}
+        labels["event"] = event
         assert value(MetricName.TRANSITIONS, labels) == n
     get = {**engine, "operation": "get"}
     assert (

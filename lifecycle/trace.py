@@ -27,10 +27,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from json.encoder import encode_basestring_ascii as _quote
 from pathlib import Path
-from typing import Any, BinaryIO, Final, TextIO
+from typing import Any, BinaryIO, Final
 
 import attrs
 
@@ -648,10 +648,6 @@ def replay_file(path: str | os.PathLike[str], **kwargs: Any) -> Replay:
     """
     try:
         with Path(path).open(encoding="utf-8") as stream:
-            return replay(_lines(stream), **kwargs)
+            return replay(stream, **kwargs)
     except OSError as exc:
         raise TraceError(str(path), exc.strerror or str(exc)) from exc
-
-
-def _lines(stream: TextIO) -> Iterator[str]:
-    yield from stream

@@ -109,8 +109,9 @@ def test_the_bound_holds_in_the_connector(extra, tmp_path):
     extra["lifecycle_trace_max_events"] = 25
     h, _ = preempt_then_abort(extra)
     writer = h.scheduler_connector.trace
-    total = sum(side(h).machine.transition_counts().values())
-    total += side(h).machine.illegal_total
+    machine = side(h).machine
+    total = sum(machine.transition_counts().values())
+    total += machine.illegal_total + sum(machine.stale_counts.values())
     lines = (tmp_path / "trace.jsonl").read_text().splitlines()
     events = [x for x in lines if '"meta"' not in x]
     assert len(events) == 25

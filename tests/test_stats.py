@@ -7,6 +7,7 @@ are recorded by hand (`BatchResult`s), as the store client would.
 from __future__ import annotations
 
 import json
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -220,6 +221,8 @@ def test_payload_survives_json_and_is_rebuilt_by_the_connector():
     assert rebuilt.data == stats.data
     assert rebuilt.reduce() == stats.reduce()
     assert MooncakeLifecycleConnector.build_kv_connector_stats(None).is_empty()
+    # Worker -> engine core: vLLM pickles the model runner's output.
+    assert pickle.loads(pickle.dumps(stats)).data == stats.data  # noqa: S301
 
 
 def test_prometheus_metrics_follow_vllm_names_and_count():

@@ -179,7 +179,10 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
                 layout=layout,
             )
 
-        self._client: StoreClient | None = clients.acquire(self._store_config)
+        self._client: StoreClient | None = clients.acquire(
+            self._store_config,
+            contribute=role != KVConnectorRole.SCHEDULER,
+        )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._registered: list[int] = []

@@ -114,7 +114,8 @@ def test_stats_flow_through_the_real_scheduler_and_vllm_loggers(
     run(a)
     b = Harness(CONNECTOR, extra_config=extra, num_blocks=40, log_stats=True)
     harnesses.append(b)
-    b.worker_connector._client.stats.snapshot(reset=True)  # a's calls
+    for connector in (b.scheduler_connector, b.worker_connector):
+        connector._client.stats.snapshot(reset=True)  # a's calls
     payloads = capture_outputs(b)
     b.add_request("b", [*prompt(5, 64), 9], max_tokens=6)
     b.add_request("c", prompt(6, 40), max_tokens=6)

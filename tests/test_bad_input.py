@@ -54,6 +54,8 @@ BAD_VALUES = {
     "replica_num": 0,
     "log_level": "LOUD",
     "mooncake_config_path": 12,
+    "lifecycle_trace": 5,
+    "lifecycle_trace_max_events": 0,
 }
 
 
@@ -105,10 +107,12 @@ def construct_fails(h, extra, error=ConfigError):
 
 
 def test_every_key_has_a_bad_case():
-    """The table below covers every StoreConfig field and alias."""
+    """The table covers every StoreConfig field, alias and trace key."""
     keys = set(attrs.fields_dict(StoreConfig)) | {
         "cache_prefix",
         "mooncake_config_path",
+        "lifecycle_trace",
+        "lifecycle_trace_max_events",
     }
     assert keys == set(BAD_VALUES)
 
@@ -147,6 +151,14 @@ class TestExtraConfig:
         monkeypatch.delenv(CONFIG_PATH_ENV, raising=False)
         err = construct_fails(h, {**extra, 3: "x"})
         assert err.key == "3"
+
+    def test_unwritable_trace_file(self, good, tmp_path, monkeypatch):
+        """A trace file that cannot be opened names `lifecycle_trace`."""
+        extra, h = good
+        monkeypatch.delenv(CONFIG_PATH_ENV, raising=False)
+        path = str(tmp_path / "missing-dir" / "trace.jsonl")
+        err = construct_fails(h, {**extra, "lifecycle_trace": path})
+        assert err.key == "lifecycle_trace"
 
     def test_unknown_keys_are_warned_about(self, good, caplog, monkeypatch):
         """An unknown key is logged by name; the connector still works."""

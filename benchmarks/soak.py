@@ -105,7 +105,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     from connector import clients  # noqa: PLC0415 - imports vLLM
     from connector.master import EmbeddedMaster  # noqa: PLC0415
-    from demo.workload import Session, WorkloadConfig  # noqa: PLC0415
+    from demo.workload import (  # noqa: PLC0415
+        Session,
+        WorkloadConfig,
+        single_threaded_torch,
+    )
 
     config = WorkloadConfig(
         requests=args.requests,
@@ -114,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stall_s=120.0,
     )
     probe = Probe(args.checkpoint)
-    with EmbeddedMaster() as master:
+    with EmbeddedMaster() as master, single_threaded_torch():
         session = Session(config, master, namespace="soak")
         try:
             trackers_start = session.live_trackers

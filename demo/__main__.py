@@ -18,7 +18,12 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, TYPE_CHECKING, Final
+
+from demo.report import format_report, write_diagram
+
+if TYPE_CHECKING:
+    from demo.workload import SessionReport
 
 DEFAULT_OUT: Final = Path("out")
 
@@ -70,64 +75,35 @@ def stderr_to(path: Path) -> Iterator[IO[str]]:
             console.close()
 
 
-def _configure(out: Path) -> Path:
-    """Quiet vLLM and Mooncake on the console; everything goes to a log."""
-    out.mkdir(parents=True, exist_ok=True)
-    log_path = out / "demo.log"
-    log_path.write_text("", encoding="utf-8")
+@contextlib.contextmanager
+def logging_to(log_path: Path) -> Iterator[None]:
+    """Send every log record to `log_path` only; restore logging after."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-    handler = logging.FileHandler(log_path, encoding="utf-8")
+    handler = logging.FileHandler(log_path, mode="w", encoding="utf-8")
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
     root = logging.getLogger()
+    saved = root.handlers[:], root.level
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
-    return log_path
+    try:
+        yield
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+        handler.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; return the exit status."""
     args = parse_args(argv)
     out: Path = args.out
-    log_path = _configure(out)
-    # Imported here, after the environment is set: these import vLLM.
-    from tqdm import tqdm  # noqa: PLC0415
-
-    from connector import clients  # noqa: PLC0415
-    from connector.master import EmbeddedMaster  # noqa: PLC0415
-    from demo.report import format_report, write_diagram  # noqa: PLC0415
-    from demo.workload import Session, WorkloadConfig  # noqa: PLC0415
-
-    config = WorkloadConfig(requests=args.requests, seed=args.seed)
-    with stderr_to(log_path) as console:
-        bar = tqdm(
-            total=config.requests,
-            unit="req",
-            file=console,
-            disable=args.no_progress,
-            desc="demo",
-            dynamic_ncols=True,
-        )
-        with EmbeddedMaster() as master:
-            bar.set_postfix_str("starting two vLLM schedulers")
-            session = Session(config, master, trace_dir=out)
-            try:
-
-                def progress(s: Session) -> None:
-                    bar.update(s.finished - bar.n)
-                    if s.ticks % 25 == 0:
-                        bar.set_postfix(
-                            preempted=s.preemptions,
-                            trackers=s.live_trackers,
-                        )
-
-                report = session.run(progress)
-            finally:
-                session.close()
-                clients.close_all()  # before the master stops
-        bar.close()
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "demo.log"
+    with logging_to(log_path):
+        report = _session(args, log_path)
     svg = write_diagram(report, out)
     if args.json:
         payload = report.to_json()
@@ -138,6 +114,51 @@ def main(argv: list[str] | None = None) -> int:
         print(format_report(report, svg=svg), end="")
         print(f"Log: {log_path}")
     return 0 if report.ok else 1
+
+
+def _session(args: argparse.Namespace, log_path: Path) -> SessionReport:
+    """Start a master, run the session with a progress bar, stop it all."""
+    # Imported here, once logging is set up: these import vLLM.
+    from tqdm import tqdm  # noqa: PLC0415
+
+    from connector import clients  # noqa: PLC0415
+    from connector.master import EmbeddedMaster  # noqa: PLC0415
+    from demo.workload import (  # noqa: PLC0415
+        Session,
+        WorkloadConfig,
+        single_threaded_torch,
+    )
+
+    config = WorkloadConfig(requests=args.requests, seed=args.seed)
+    with stderr_to(log_path) as console, single_threaded_torch():
+        bar = tqdm(
+            total=config.requests,
+            unit="req",
+            file=console,
+            disable=args.no_progress,
+            desc="demo",
+            mininterval=0.5,
+            dynamic_ncols=True,
+        )
+        bar.set_postfix_str("starting the master and two vLLM schedulers")
+        with EmbeddedMaster() as master:
+            session = Session(config, master, trace_dir=args.out)
+            bar.set_postfix_str("")
+
+            def progress(s: Session) -> None:
+                bar.update(s.finished - bar.n)
+                if s.ticks % 50 == 0:
+                    bar.set_postfix(
+                        preempted=s.preemptions, trackers=s.live_trackers
+                    )
+
+            try:
+                report = session.run(progress)
+            finally:
+                session.close()
+                clients.close_all()  # before the master stops
+        bar.close()
+    return report
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -12,7 +12,9 @@ from lifecycle import render
 _K = TypeVar("_K")
 
 
-def _rows(pairs: list[tuple[str, object]], indent: str = "  ") -> list[str]:
+def _rows(
+    pairs: Sequence[tuple[str, object]], indent: str = "  "
+) -> list[str]:
     width = max((len(k) for k, _ in pairs), default=0)
     return [f"{indent}{k:<{width}}  {v}" for k, v in pairs]
 

@@ -30,7 +30,7 @@ import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
 
@@ -40,10 +40,12 @@ from connector.master import EmbeddedMaster
 from connector.metadata import JobKind
 from connector.scheduler import RequestTracker, SchedulerSide
 from connector.store import Op, OpStats, StoreClient
-from connector.vllm_connector import MooncakeLifecycleConnector
 from connector.worker import WorkerSide
 from lifecycle import Event, Row, State, Tracker
 from tests.vllm_harness import FinishedRequest, Harness, HarnessError
+
+if TYPE_CHECKING:
+    from connector.vllm_connector import MooncakeLifecycleConnector
 
 CONNECTOR: Final = "connector.MooncakeLifecycleConnector"
 #: Extra-config keys of the lifecycle trace (ignored by older connectors).
@@ -361,6 +363,23 @@ class SessionReport:
             "trace_files": list(self.trace_files),
             "ok": self.ok,
         }
+
+
+@contextlib.contextmanager
+def single_threaded_torch() -> Iterator[None]:
+    """Run torch ops on one thread (restored after).
+
+    The harness's tensors are tiny: on a small, shared machine torch's
+    intra-op threads only contend (3-5x slower steps, measured).
+    """
+    import torch  # noqa: PLC0415 - the harness needs it anyway
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def edge_name(row: Row) -> str:

@@ -2,9 +2,9 @@
 
 `python -m benchmarks.soak --requests N --json` runs `demo.workload`
 (two vLLM 0.33 schedulers with the connector over one embedded Mooncake
-master; shared prefixes, KV pressure, aborts, load failures, duplicate
-`request_finished` calls) and restarts the master once mid-run, which
-loses every stored key.  The harness checks every computed block's KV and
+master; shared prefixes, KV pressure, aborts, one load failure per 1000
+requests, duplicate `request_finished` calls) and restarts the master
+once mid-run, which loses every stored key.  The harness checks every computed block's KV and
 the block pool every step.
 
 It prints requests completed, crashes, illegal events by kind, live
@@ -72,10 +72,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class Probe:
-    """Samples RSS and trackers as the session runs (its progress hook)."""
+    """Samples RSS and trackers as the session runs (its progress hook).
 
-    def __init__(self, checkpoint: int) -> None:
+    Every `every` finished requests it writes one line to stderr.
+    """
+
+    def __init__(self, checkpoint: int, every: int = 1000) -> None:
         self.checkpoint = checkpoint
+        self.every = every
+        self._next_line = every
         self.rss_checkpoint: int | None = None
         self.trackers_checkpoint: int | None = None
         self.peak_trackers = 0
@@ -89,6 +94,15 @@ class Probe:
             self.trackers_checkpoint = trackers
         if self.hits_at_restart is None and session.master_restarts:
             self.hits_at_restart = _store_hits(session)
+        if session.finished >= self._next_line:
+            self._next_line += self.every
+            print(
+                f"soak: {session.finished} finished, {trackers} trackers, "
+                f"RSS {_mb(rss_bytes())} MiB, "
+                f"{session.master_restarts} master restart(s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _store_hits(session: Any) -> int:
@@ -115,6 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         requests=args.requests,
         seed=args.seed,
         restart_master_after=args.restart_after,
+        load_failures=max(1, args.requests // 1000),
         stall_s=120.0,
     )
     probe = Probe(args.checkpoint)

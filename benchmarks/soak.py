@@ -4,8 +4,8 @@
 (two vLLM 0.33 schedulers with the connector over one embedded Mooncake
 master; shared prefixes, KV pressure, aborts, one load failure per 1000
 requests, duplicate `request_finished` calls) and restarts the master
-once mid-run, which loses every stored key.  The harness checks every computed block's KV and
-the block pool every step.
+once mid-run, which loses every stored key.  The harness checks every
+computed block's KV and the block pool every step.
 
 It prints requests completed, crashes, illegal events by kind, live
 trackers and RSS at the start, at a checkpoint and at the end, and data

@@ -37,7 +37,7 @@ from connector.keys import KeyScheme, Layout
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
 from connector.scheduler import Role, SchedulerSide
 from connector.store import Regions, StoreClient
-from connector.worker import KVLayout, WorkerSide
+from connector.worker import WorkerSide
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -240,11 +240,15 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         if client is None:
             msg = "register_kv_caches after shutdown"
             raise RuntimeError(msg)
-        layout = KVLayout.from_tensors(kv_caches, self._num_blocks)
-        for tensor in kv_caches.values():
-            client.register_tensor(tensor)
-            self._registered.append(tensor.data_ptr())
-        self._worker = WorkerSide(client, self._keys, layout, Regions)
+        self._worker = WorkerSide.for_kv_caches(
+            client,
+            self._keys,
+            kv_caches,
+            self._num_blocks,
+            Regions,
+            register=client.register,
+        )
+        self._registered.extend(self._worker.registered)
 
     def _meta(self) -> ConnectorMeta | None:
         bound = self._connector_metadata
@@ -270,7 +274,10 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         attn_metadata: Any,
         **kwargs: Any,
     ) -> None:
-        """Nothing per layer: whole blocks are saved in `wait_for_save`."""
+        """Mark the layer written: its saves copy it only after now."""
+        del kv_layer, attn_metadata, kwargs
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         """Queue this step's saves after the forward pass wrote the KV."""
@@ -298,7 +305,11 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         return LifecycleWorkerMetadata(report) if report else None
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """Nothing to do: in-flight saves pinned their own blocks."""
+        """Fire the step's preemptions; in-flight saves pinned their blocks."""
+        if self._worker is not None and isinstance(
+            kv_connector_metadata, LifecycleConnectorMetadata
+        ):
+            self._worker.handle_preemptions(kv_connector_metadata.meta)
 
     def shutdown(self) -> None:
         """Drain the transfer threads (bounded) and release the client."""

@@ -23,7 +23,10 @@ import os
 import resource
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from demo.workload import Session
 
 RSS_GOAL_PCT = 5.0
 _STATUS = Path("/proc/self/status")
@@ -86,7 +89,7 @@ class Probe:
         self.peak_trackers = 0
         self.hits_at_restart: int | None = None
 
-    def __call__(self, session: Any) -> None:
+    def __call__(self, session: Session) -> None:
         trackers = session.live_trackers
         self.peak_trackers = max(self.peak_trackers, trackers)
         if self.rss_checkpoint is None and session.finished >= self.checkpoint:
@@ -105,7 +108,7 @@ class Probe:
             )
 
 
-def _store_hits(session: Any) -> int:
+def _store_hits(session: Session) -> int:
     return sum(i.stats.external_admissions for i in session.instances)
 
 
@@ -161,6 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "crash_messages": list(report.crashes),
         "illegal": j["illegal"],
         "stale": j["stale"],
+        "worker_illegal": j["worker_illegal"],
+        "worker_stale": j["worker_stale"],
         "trackers": {
             "start": trackers_start,
             "checkpoint": probe.trackers_checkpoint,

@@ -53,8 +53,20 @@ def _sections(report: SessionReport) -> list[tuple[str, list[str]]]:
     leaks = (
         f"{report.live_trackers} / {report.open_jobs} / {report.leaked_blocks}"
     )
-    illegal = [(illegal_name(k), n) for k, n in sorted_items(report.illegal)]
-    stale = [(illegal_name(k), n) for k, n in sorted_items(report.stale)]
+    illegal = [
+        *((illegal_name(k), n) for k, n in sorted_items(report.illegal)),
+        *(
+            (f"worker {illegal_name(k)}", n)
+            for k, n in sorted_items(report.worker_illegal)
+        ),
+    ]
+    stale = [
+        *((illegal_name(k), n) for k, n in sorted_items(report.stale)),
+        *(
+            (f"worker {illegal_name(k)}", n)
+            for k, n in sorted_items(report.worker_stale)
+        ),
+    ]
     edges = [(edge_name(r), n) for r, n in report.transitions.items() if n]
     return [
         ("Requests by outcome", _outcomes(report)),

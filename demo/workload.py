@@ -220,6 +220,8 @@ class SessionReport:
     transitions: Mapping[Row, int]
     illegal: Mapping[tuple[State | None, Event], int]
     stale: Mapping[tuple[State, Event], int]
+    worker_illegal: Mapping[tuple[State | None, Event], int]
+    worker_stale: Mapping[tuple[State, Event], int]
     preemptions: int
     resumed: int
     loads: Transfer
@@ -340,6 +342,12 @@ class SessionReport:
                 illegal_name(key): n for key, n in self.illegal.items()
             },
             "stale": {illegal_name(key): n for key, n in self.stale.items()},
+            "worker_illegal": {
+                illegal_name(key): n for key, n in self.worker_illegal.items()
+            },
+            "worker_stale": {
+                illegal_name(key): n for key, n in self.worker_stale.items()
+            },
             "mismatches": self.mismatches,
             "failures": list(self.failures),
             "crashes": list(self.crashes),
@@ -584,8 +592,11 @@ class Session:
 
     @property
     def live_trackers(self) -> int:
-        """Trackers in both scheduler halves' registries."""
-        return sum(len(i.side.registry) for i in self.instances)
+        """Trackers in the registries of both halves of both instances."""
+        return sum(
+            len(i.side.registry) + len(i.worker.registry)
+            for i in self.instances
+        )
 
     @property
     def preemptions(self) -> int:
@@ -746,11 +757,19 @@ class Session:
             collections.Counter()
         )
         stale: collections.Counter[tuple[State, Event]] = collections.Counter()
+        worker_illegal: collections.Counter[tuple[State | None, Event]] = (
+            collections.Counter()
+        )
+        worker_stale: collections.Counter[tuple[State, Event]] = (
+            collections.Counter()
+        )
         for inst in self.instances:
             machine = inst.side.machine
             transitions.update(machine.transition_counts())
             illegal.update(machine.illegal_counts)
             stale.update(machine.stale_counts)
+            worker_illegal.update(inst.worker.machine.illegal_counts)
+            worker_stale.update(inst.worker.machine.stale_counts)
         mismatches = sum(MISMATCH in f for f in failures)
         failed_loads = sum(
             i.worker.jobs_failed[JobKind.LOAD] for i in self.instances
@@ -764,6 +783,8 @@ class Session:
             transitions=dict(transitions),
             illegal=dict(illegal),
             stale=dict(stale),
+            worker_illegal=dict(worker_illegal),
+            worker_stale=dict(worker_stale),
             preemptions=self.preemptions,
             resumed=sum(len(i.harness.resumed) for i in self.instances),
             loads=self._transfers[Op.GET],

@@ -42,7 +42,7 @@ from connector.scheduler import RequestTracker, SchedulerSide
 from connector.store import Op, OpStats, StoreClient
 from connector.worker import WorkerSide
 from lifecycle import Event, Row, State, Tracker
-from tests.vllm_harness import FinishedRequest, Harness, HarnessError
+from tests.vllm_harness import FinishedRequest, Harness, HarnessError, KVRole
 
 if TYPE_CHECKING:
     from connector.vllm_connector import MooncakeLifecycleConnector
@@ -516,7 +516,7 @@ class Session:
         self._transfers = {op: Transfer() for op in Op}
         total_b = round(config.requests * config.share_b)
         counts = {"A": config.requests - total_b, "B": total_b}
-        roles = {"A": "kv_producer", "B": "kv_consumer"}
+        roles: dict[str, KVRole] = {"A": "kv_producer", "B": "kv_consumer"}
         self.instances: list[_Instance] = []
         self._client: StoreClient | None = None
         try:
@@ -548,14 +548,14 @@ class Session:
     def _make(
         self,
         name: str,
-        roles: Mapping[str, str],
+        roles: Mapping[str, KVRole],
         counts: Mapping[str, int],
         extra: dict[str, Any],
     ) -> _Instance:
         config = self.config
         harness = Harness(
             CONNECTOR,
-            kv_role=cast("Any", roles[name]),
+            kv_role=roles[name],
             extra_config=extra,
             num_blocks=config.num_blocks,
             block_size=config.block_size,

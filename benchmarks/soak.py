@@ -8,10 +8,11 @@ once mid-run, which loses every stored key.  The harness checks every
 computed block's KV and the block pool every step.
 
 It prints requests completed, crashes, illegal events by kind, live
-trackers and RSS at the start, at a checkpoint and at the end, and data
-mismatches.  The goal: no crash, no leaked tracker or block, no mismatch,
-and RSS growth under 5 % from the checkpoint (10k requests by default) to
-the end.  Needs vLLM 0.33 and the `mooncake_master` binary.
+trackers and RSS at the start, at a checkpoint and at the end of the run
+(both instances still up; also after they closed), and data mismatches.
+The goal: no crash, no leaked tracker or block, no mismatch, and RSS
+growth under 5 % from the checkpoint (10k requests by default) to the
+end.  Needs vLLM 0.33 and the `mooncake_master` binary.
 """
 
 from __future__ import annotations
@@ -142,11 +143,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             trackers_start = session.live_trackers
             rss_start = rss_bytes()
             report = session.run(probe)
+            rss_end = rss_bytes()
             hits_end = _store_hits(session)
         finally:
             session.close()
             clients.close_all()  # before the master stops
-    rss_end = rss_bytes()
+    rss_closed = rss_bytes()
     growth = (
         100.0 * (rss_end - probe.rss_checkpoint) / probe.rss_checkpoint
         if probe.rss_checkpoint
@@ -178,6 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "start": _mb(rss_start),
             "checkpoint": _mb(probe.rss_checkpoint),
             "end": _mb(rss_end),
+            "after_close": _mb(rss_closed),
         },
         "checkpoint_requests": args.checkpoint,
         "rss_growth_checkpoint_to_end_pct": None

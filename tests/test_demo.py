@@ -94,6 +94,7 @@ def test_soak_json_fields(master_binary, capsys):
     assert rss["start"] > 0
     assert rss["checkpoint"] > 0
     assert rss["end"] > 0
+    assert rss["after_close"] > 0
     assert result["checkpoint_requests"] == 30
     assert isinstance(result["rss_growth_checkpoint_to_end_pct"], float)
     assert rc == (0 if result["goal_met"] else 1)

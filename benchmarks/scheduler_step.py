@@ -48,6 +48,8 @@ SIZES = (256, 1024, 4096)
 GOAL_N = 1024
 GOAL_SHARE = 0.05
 MODES = ("none", "noop", "ours", "theirs")
+_MAX_PROMPT = 71
+_BLOCK = 16
 _THEIRS = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store"
 
 #: Scheduler-side hooks vLLM 0.33's scheduler may call on a connector.
@@ -170,7 +172,7 @@ def _harness_class() -> type:
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [
-        [rng.randrange(500) for _ in range(rng.randint(56, 71))]
+        [rng.randrange(500) for _ in range(rng.randint(56, _MAX_PROMPT))]
         for _ in range(n)
     ]
 
@@ -283,12 +285,17 @@ def measure(
     try:
         if mode == "theirs":
             server = _theirs_server(extra, tmp)
+        # Enough blocks that nobody is ever preempted: prefill, warm-up
+        # and measured steps, plus slack.
+        batch = max(16384, n)
+        limit = warmup + steps + n * _MAX_PROMPT // batch + 20
+        per_request = (_MAX_PROMPT + limit) // _BLOCK + 2
         h = harness_cls(
             _CLASSES[mode],
             extra_config=extra,
-            num_blocks=n * 7 + 64,
+            num_blocks=n * per_request + 64,
             max_num_seqs=n,
-            max_num_batched_tokens=max(16384, n),
+            max_num_batched_tokens=batch,
             max_model_len=1024,
             check_every_step=False,
         )
@@ -297,11 +304,10 @@ def measure(
         timer = HookTimer(connector) if connector is not None else None
         worker = StandInWorker(mode)
         for i, tokens in enumerate(prompts):
-            h.add_request(f"r{i}", tokens, max_tokens=900)
+            h.add_request(f"r{i}", tokens, max_tokens=limit + 1)
         step_s: list[float] = []
         hook_s: list[float] = []
         running = 0
-        limit = warmup + steps + 200
         for _ in range(limit):
             before = timer.seconds if timer else 0.0
             started = time.perf_counter()
@@ -330,9 +336,21 @@ def measure(
         }
     finally:
         if h is not None:
+            _close_lookup_client(h.scheduler.connector)
             h.close()
         if server is not None:
             server.close()
+
+
+def _close_lookup_client(connector: Any) -> None:
+    """Close `MooncakeStoreConnector`'s ZMQ lookup client (its shutdown
+    does not); a context collected with an open socket blocks forever.
+    """
+    side = getattr(connector, "connector_scheduler", None)
+    client = getattr(side, "client", None)
+    if client is not None:
+        client.close()
+        client.ctx.term()
 
 
 def _theirs_server(extra: dict[str, Any], tmp: str) -> LookupStandIn:

@@ -651,7 +651,7 @@ def test_51637_stale_save_completion_after_resume(make, kind):
             time.sleep(0.005)
     else:
         pytest.fail("b was never resumed")
-    assert [r for _, r in h.preempted] == ["b"]
+    assert h.preempted[0][1] == "b"
     if kind == OURS:
         open_jobs = side(h)._open
         assert held.job_id in open_jobs  # still pinned, still unsettled
@@ -678,22 +678,22 @@ def test_lmcache1969_resumed_request_reloads_prefix(make, kind):
     and makes `b` recompute what the store holds; ours looks up again in
     the new epoch and loads it.
     """
-    tokens = prompt(1, 128)
+    tokens = prompt(1, 64)
     seed_store(make, kind, [tokens])
     h = make(
         kind,
-        num_blocks=12,
+        num_blocks=10,
         max_num_batched_tokens=16,
         enable_prefix_caching=False,
     )
     h.add_request("a", prompt(0, 40), max_tokens=60)
     for _ in range(3):
         h.step()
-    h.add_request("b", [*tokens, 5], max_tokens=24)
+    h.add_request("b", [*tokens, 5], max_tokens=30)
     run(h)
     assert "b" in {r for _, r in h.preempted}
     missed = pytest.raises(AssertionError) if kind != OURS else None
     with missed or contextlib.nullcontext():
-        assert h.external_hits["b"] > 128  # loaded again after the resume
+        assert h.external_hits["b"] > 64  # loaded again after the resume
     if kind == OURS:
         assert_clean(h)

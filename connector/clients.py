@@ -7,6 +7,13 @@ exits (or `close_all`): vLLM runs one engine per process, closing a
 client blocks for 1-2 s, and its segment holds stored KV that other
 instances may still read.  The namespace is not part of the identity:
 it only prefixes keys.
+
+Only clients that move KV contribute memory to the pool.  The scheduler
+half asks for a lookup client (``contribute=False``): it shares the
+process's contributing client when there is one (the in-process
+topology), and otherwise opens a pure client with no segment, so that
+stored blocks never land in a scheduler process, where every load of
+them would cross a socket instead of staying in the worker's memory.
 """
 
 from __future__ import annotations
@@ -24,21 +31,32 @@ _LOCK: Final = threading.Lock()
 _CLIENTS: dict[StoreConfig, tuple[StoreClient, int]] = {}
 
 
-def acquire(config: StoreConfig) -> StoreClient:
+def acquire(config: StoreConfig, *, contribute: bool = True) -> StoreClient:
     """The process's client for `config`, opened on first use.
+
+    With ``contribute=False`` the caller only looks keys up: it gets the
+    contributing client if this process has one, else a pure client
+    (``global_segment_size=0``).
 
     Raises:
         StoreUnavailable: the master cannot be reached (bounded wait).
     """
     identity = attrs.evolve(config, namespace="")
+    choices = [identity]
+    if not contribute:
+        choices.append(attrs.evolve(identity, global_segment_size=0))
     with _LOCK:
-        entry = _CLIENTS.get(identity)
-        if entry is None or entry[0].closed:
-            client = StoreClient.open(config)
-            _CLIENTS[identity] = (client, 1)
-            return client
-        client, refs = entry
-        _CLIENTS[identity] = (client, refs + 1)
+        for choice in choices:
+            entry = _CLIENTS.get(choice)
+            if entry is not None and not entry[0].closed:
+                client, refs = entry
+                _CLIENTS[choice] = (client, refs + 1)
+                return client
+        opened = choices[-1]
+        client = StoreClient.open(
+            attrs.evolve(opened, namespace=config.namespace)
+        )
+        _CLIENTS[opened] = (client, 1)
         return client
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import attrs
 
 from connector.errors import ConfigError
+from lifecycle.trace import DEFAULT_MAX_EVENTS
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Mapping
@@ -38,6 +39,7 @@ __all__ = [
     "CONFIG_PATH_ENV",
     "MasterAddresses",
     "StoreConfig",
+    "TraceConfig",
     "parse_size",
 ]
 
@@ -89,6 +91,8 @@ CONNECTOR_KEYS: Final = frozenset(
         "enable_group_semantics",
         "custom_mem_pool",
         "mooncake_config_path",
+        "lifecycle_trace",
+        "lifecycle_trace_max_events",
     }
 )
 # Keys that vLLM's or Mooncake's own loaders understand but this client
@@ -555,6 +559,49 @@ class StoreConfig:
         if self.log_level is not None:
             env["MC_LOG_LEVEL"] = self.log_level
         return env
+
+
+@attrs.frozen
+class TraceConfig:
+    """The connector's lifecycle trace (off by default).
+
+    Read from ``kv_connector_extra_config`` keys ``lifecycle_trace`` (a
+    JSONL file the scheduler appends every lifecycle event to; ``{pid}``
+    in it becomes the process id, one file per engine) and
+    ``lifecycle_trace_max_events`` (event lines written at most; later
+    events are dropped, counted and logged once).
+
+    Attributes:
+        path: The trace file, or None when tracing is off.
+        max_events: The bound on event lines (positive).
+    """
+
+    path: str | None = None
+    max_events: int = DEFAULT_MAX_EVENTS
+
+    def file_for(self, pid: int) -> str | None:
+        """The trace file of process `pid`: ``{pid}`` in `path` expanded."""
+        return (
+            None if self.path is None else self.path.replace("{pid}", str(pid))
+        )
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, object]) -> TraceConfig:
+        """Read the two trace keys; absent, null or ``""`` turns it off.
+
+        Raises:
+            ConfigError: naming the key of a bad value.
+        """
+        key = "lifecycle_trace"
+        path = extra.get(key)
+        if path is not None and not isinstance(path, str):
+            raise ConfigError(key, path, "expected a file path")
+        key = "lifecycle_trace_max_events"
+        raw = extra.get(key, DEFAULT_MAX_EVENTS)
+        max_events = _coerce_int(key, raw)
+        if max_events <= 0:
+            raise ConfigError(key, raw, "must be positive")
+        return cls((path or "").strip() or None, max_events)
 
 
 def _known_values(

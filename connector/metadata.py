@@ -67,20 +67,29 @@ class ConnectorMeta:
 class JobResult:
     """How a job ended on one or more ranks.
 
+    Every job gets exactly one result per rank, whatever its lifecycle
+    decided: the scheduler releases the job's pinned blocks on it.
+
     Attributes:
         job_id: The job.
         ok: Ranks on which it succeeded.
-        failed: Ranks on which it failed.
+        failed: Ranks on which it failed, was cancelled, or ended stale.
+        stale: Of `failed`, the ranks whose worker lifecycle fenced the
+            completion off: it came from an epoch before a preemption.
     """
 
     job_id: int
     ok: int = 0
     failed: int = 0
+    stale: int = 0
 
     def merge(self, other: JobResult) -> JobResult:
         """The result over the ranks of both."""
         return JobResult(
-            self.job_id, self.ok + other.ok, self.failed + other.failed
+            self.job_id,
+            self.ok + other.ok,
+            self.failed + other.failed,
+            self.stale + other.stale,
         )
 
 

@@ -20,6 +20,7 @@ which hold no vLLM import.  Importing it imports vLLM.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, Final
 
@@ -32,17 +33,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connector import clients
-from connector.config import StoreConfig
+from connector.config import StoreConfig, TraceConfig
+from connector.errors import ConfigError
 from connector.keys import KeyScheme, Layout
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
 from connector.scheduler import Role, SchedulerSide
+from connector.stats import (
+    LifecycleConnectorStats,
+    LifecyclePromMetrics,
+    StatsSource,
+)
 from connector.store import Regions, StoreClient
-from connector.worker import KVLayout, WorkerSide
+from connector.worker import WorkerSide
+from lifecycle.trace import TraceError, TraceWriter
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        PromMetric,
+        PromMetricT,
+    )
 
 log: Final = logging.getLogger(__name__)
 
@@ -106,6 +118,22 @@ def _layout(kv_cache_config: Any) -> Layout:
     )
 
 
+def _open_trace(
+    trace: TraceConfig, scheduler: SchedulerSide | None
+) -> TraceWriter | None:
+    """Trace the scheduler half's machine if `lifecycle_trace` is set."""
+    path = trace.file_for(os.getpid())
+    if scheduler is None or path is None:
+        return None
+    try:
+        writer = TraceWriter.open(path, max_events=trace.max_events)
+    except TraceError as exc:
+        key = "lifecycle_trace"
+        raise ConfigError(key, path, exc.reason) from exc
+    writer.attach(scheduler.machine)
+    return writer
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed import (  # noqa: PLC0415 - needs a worker
@@ -136,6 +164,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
         self._store_config = StoreConfig.from_vllm(extra)
+        trace = TraceConfig.from_extra_config(extra)
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
         model = PurePath(str(vllm_config.model_config.model)).name
@@ -150,7 +179,10 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
                 layout=layout,
             )
 
-        self._client: StoreClient | None = clients.acquire(self._store_config)
+        self._client: StoreClient | None = clients.acquire(
+            self._store_config,
+            contribute=role != KVConnectorRole.SCHEDULER,
+        )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._registered: list[int] = []
@@ -165,6 +197,12 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
                 ),
                 world_size=parallel.world_size,
             )
+        self._trace = _open_trace(trace, self._scheduler)
+        self._stats = StatsSource(
+            machine=self._scheduler.machine if self._scheduler else None,
+            store=self._client.stats,
+            half="scheduler" if self._scheduler else "worker",
+        )
 
     # ------------------------------------------------------- scheduler side
 
@@ -240,11 +278,16 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         if client is None:
             msg = "register_kv_caches after shutdown"
             raise RuntimeError(msg)
-        layout = KVLayout.from_tensors(kv_caches, self._num_blocks)
-        for tensor in kv_caches.values():
-            client.register_tensor(tensor)
-            self._registered.append(tensor.data_ptr())
-        self._worker = WorkerSide(client, self._keys, layout, Regions)
+        self._worker = WorkerSide.for_kv_caches(
+            client,
+            self._keys,
+            kv_caches,
+            self._num_blocks,
+            Regions,
+            register=client.register,
+        )
+        self._registered.extend(self._worker.registered)
+        self._stats.watch(self._worker.machine)
 
     def _meta(self) -> ConnectorMeta | None:
         bound = self._connector_metadata
@@ -270,7 +313,10 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         attn_metadata: Any,
         **kwargs: Any,
     ) -> None:
-        """Nothing per layer: whole blocks are saved in `wait_for_save`."""
+        """Mark the layer written: its saves copy it only after now."""
+        del kv_layer, attn_metadata, kwargs
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         """Queue this step's saves after the forward pass wrote the KV."""
@@ -298,10 +344,47 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         return LifecycleWorkerMetadata(report) if report else None
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """Nothing to do: in-flight saves pinned their own blocks."""
+        """Fire the step's preemptions; in-flight saves pinned their blocks."""
+        if self._worker is not None and isinstance(
+            kv_connector_metadata, LifecycleConnectorMetadata
+        ):
+            self._worker.handle_preemptions(kv_connector_metadata.meta)
+
+    # ---------------------------------------------------------------- stats
+
+    def get_kv_connector_stats(self) -> LifecycleConnectorStats | None:
+        """This half's lifecycle and store figures since the last call."""
+        return self._stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> LifecycleConnectorStats:
+        """Rebuild a stats object from its payload (vLLM's loggers)."""
+        return LifecycleConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> LifecyclePromMetrics:
+        """Register the ``vllm:kv_lifecycle_*`` Prometheus metrics."""
+        return LifecyclePromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
+    @property
+    def trace(self) -> TraceWriter | None:
+        """The lifecycle trace writer, when `lifecycle_trace` is set."""
+        return self._trace
 
     def shutdown(self) -> None:
         """Drain the transfer threads (bounded) and release the client."""
+        if self._trace is not None:
+            self._trace.close()
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None

@@ -1,22 +1,53 @@
 """The worker half of the connector: moves whole KV blocks, never tokens.
 
-Transfers run on two background threads (loads, saves) against the store;
-their results are posted to a queue and reported once per step, as
-`get_finished` receive completions and as job results in the worker
-report.  Job ids, not request ids, identify results, so a completion from
-an old lifecycle of a reused request id can never be mistaken for the new
-one's (the scheduler half fences it by epoch).
+The worker keeps its own lifecycle: a `Registry` of trackers over a
+thread-safe `LifecycleMachine` driven by the same table as the scheduler
+half (not a second, per-job table: a job's fate is the fate of its
+request's epoch, which is exactly what the request table already encodes,
+and one table keeps one set of diagrams, tests and illegal-ordering
+policy).  The scheduler half stays authoritative for what vLLM sees; the
+worker's lifecycle decides what the worker reports.
 
-Blocks are copied whole (`kv[block_id]`, every layer), so the connector
-never depends on how a backend orders tokens inside a block.  No vLLM
-import.
+Events, by where they come from:
+
+* Metadata notices: a preemption (``preempt`` + ``reset``: the epoch is
+  bumped) and a finish (``finish``; a request still loading drains).
+* Jobs: a load fires ``alloc_external``; a save, queued after the forward
+  in `wait_for_save`, fires ``save_issued`` (after ``alloc_local`` or
+  ``resume`` when the worker sees the request run for the first time in
+  this epoch).  A worker that learns of a newer epoch from a job catches
+  up through the table's own preempt/reset rows.
+* Transfer threads: ``load_done`` / ``load_failed`` / ``save_done`` /
+  ``save_failed`` with the job's epoch, so a completion from before a
+  preemption (same request id, older epoch) is a counted no-op
+  (`machine.stale_counts`): it is never reported as received, as a load
+  error or as a success.
+
+What the worker reports is what those events decided: a receive
+completion (`get_finished`) and load errors only for loads whose
+completion the lifecycle applied, never for a stale one or one whose
+request is gone (its blocks may already belong to another request).
+Every job still gets exactly one `JobResult`, because the scheduler
+unpins the job's blocks on it; a stale one reads failed and stale.
+Besides the trackers, the only state is per job (the queues and the
+completion outbox) or per step (the last metadata step applied), never
+per request.
+
+Transfers run on two background threads (loads, saves) through a
+`connector.transfer.Transfer`: zero copy for host KV caches, pinned
+staging with CUDA events for device ones.  Blocks are copied whole, every
+layer, so the connector never depends on how a backend orders tokens inside
+a block.  No vLLM import.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
+import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -29,31 +60,38 @@ from connector.metadata import (
     TransferJob,
     WorkerReport,
 )
+from connector.transfer import (
+    BatchOutcome,
+    BlockStore,
+    Direct,
+    Fence,
+    KVLayout,
+    Register,
+    Segment,
+    Transfer,
+    open_transfer,
+)
+from lifecycle import Event, LifecycleMachine, Registry, State, Tracker
 
 if TYPE_CHECKING:
     import torch
 
+__all__ = [
+    "BatchOutcome",
+    "BlockStore",
+    "KVLayout",
+    "KeyMaker",
+    "Segment",
+    "Verdict",
+    "WorkerSide",
+]
+
 log: Final = logging.getLogger(__name__)
 
-_KV_HALVES: Final = 2  # K and V, on K/V-first layouts
-
-
-class BatchOutcome(Protocol):
-    """Per-key success of one batch call."""
-
-    @property
-    def succeeded(self) -> list[bool]:
-        """One flag per key."""
-
-
-class BlockStore(Protocol):
-    """What the worker needs from a store client."""
-
-    def put(self, keys: Sequence[str], regions: Any) -> BatchOutcome:
-        """Save each key's region (existing keys keep their value)."""
-
-    def get(self, keys: Sequence[str], regions: Any) -> BatchOutcome:
-        """Load each key into its region."""
+_DONE: Final = {
+    JobKind.LOAD: (Event.LOAD_DONE, Event.LOAD_FAILED),
+    JobKind.SAVE: (Event.SAVE_DONE, Event.SAVE_FAILED),
+}
 
 
 class KeyMaker(Protocol):
@@ -63,88 +101,29 @@ class KeyMaker(Protocol):
         """One key per hash."""
 
 
+class Verdict(enum.Enum):
+    """What the worker's lifecycle made of a job's completion."""
+
+    APPLIED = "applied"
+    """The request's lifecycle took it."""
+    STALE = "stale"
+    """From an epoch before a preemption: fenced off, counted."""
+    ORPHAN = "orphan"
+    """The request is no longer tracked (finished before the job ended)."""
+    REFUSED = "refused"
+    """Illegal in the request's state: counted by the machine."""
+    CANCELLED = "cancelled"
+    """Never ran: the worker shut down first."""
+
+
 @attrs.frozen
-class Segment:
-    """One blocks-first memory range: block `b` at `base + b * stride`."""
+class _Done:
+    """One ended job, as the completing thread posts it."""
 
-    base: int
-    stride: int
-    nbytes: int
-
-
-@attrs.frozen
-class KVLayout:
-    """Where every block's bytes live, across all layers.
-
-    Attributes:
-        num_blocks: Blocks per layer.
-        segments: Per layer (and per K/V half on K/V-first layouts), the
-            range holding that layer's part of every block.
-    """
-
-    num_blocks: int
-    segments: tuple[Segment, ...]
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block over every layer: one store object."""
-        return sum(s.nbytes for s in self.segments)
-
-    def pieces(
-        self, block_ids: Sequence[int]
-    ) -> tuple[list[list[int]], list[list[int]]]:
-        """Per block, the (addresses, sizes) of its pieces, in layer order."""
-        sizes = [s.nbytes for s in self.segments]
-        ptrs = [
-            [s.base + b * s.stride for s in self.segments] for b in block_ids
-        ]
-        return ptrs, [sizes] * len(block_ids)
-
-    @classmethod
-    def from_tensors(
-        cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int
-    ) -> KVLayout:
-        """Read the layout off vLLM's per-layer KV tensors.
-
-        Accepts blocks-first tensors (``[num_blocks, ...]``, CPU and
-        FlashInfer/MLA layouts) and K/V-first ones (``[2, num_blocks,
-        ...]``, FlashAttention).
-
-        Raises:
-            ValueError: naming the layer whose shape fits neither.
-        """
-        segments: list[Segment] = []
-        for name in kv_caches:
-            tensor = kv_caches[name]
-            shape = tuple(tensor.shape)
-            elem = tensor.element_size()
-            if shape and shape[0] == num_blocks:
-                halves = [tensor]
-            elif (
-                len(shape) > 1
-                and shape[0] == _KV_HALVES
-                and shape[1] == num_blocks
-            ):
-                halves = [tensor[0], tensor[1]]
-            else:
-                msg = (
-                    f"KV cache for layer {name!r} has shape {shape}; "
-                    f"expected [{num_blocks}, ...] or [2, {num_blocks}, ...]"
-                )
-                raise ValueError(msg)
-            for half in halves:
-                block = half[0]
-                if not block.is_contiguous():
-                    msg = f"KV blocks of layer {name!r} are not contiguous"
-                    raise ValueError(msg)
-                segments.append(
-                    Segment(
-                        base=half.data_ptr(),
-                        stride=half.stride(0) * elem,
-                        nbytes=block.numel() * elem,
-                    )
-                )
-        return cls(num_blocks, tuple(segments))
+    job: TransferJob
+    ok: bool
+    failed_blocks: frozenset[int]
+    verdict: Verdict
 
 
 class WorkerSide:
@@ -155,6 +134,8 @@ class WorkerSide:
         keys: Turns block hashes into keys.
         layout: The registered KV layout.
         regions: Builds a store batch from (ptr lists, size lists).
+        transfer: How blocks move (default: zero copy over `layout`).
+        machine: The worker's lifecycle machine (strict in tests).
     """
 
     def __init__(
@@ -163,15 +144,20 @@ class WorkerSide:
         keys: KeyMaker,
         layout: KVLayout,
         regions: Any,
+        *,
+        transfer: Transfer | None = None,
+        machine: LifecycleMachine | None = None,
     ) -> None:
         self._store = store
         self._keys = keys
         self.layout = layout
-        self._regions = regions
-        self._results: queue.SimpleQueue[tuple[TransferJob, bool, set[int]]]
-        self._results = queue.SimpleQueue()
-        self._queues: dict[JobKind, queue.SimpleQueue[TransferJob | None]]
-        self._queues = {k: queue.SimpleQueue() for k in JobKind}
+        self.transfer: Transfer = transfer or Direct(layout, regions)
+        self.machine = machine or LifecycleMachine()
+        self.registry: Registry[Tracker] = Registry(self.machine, Tracker)
+        self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        self._queues: dict[
+            JobKind, queue.SimpleQueue[tuple[TransferJob, Fence] | None]
+        ] = {k: queue.SimpleQueue() for k in JobKind}
         self._threads = [
             threading.Thread(
                 target=self._serve,
@@ -185,19 +171,70 @@ class WorkerSide:
             thread.start()
         self._load_errors: set[int] = set()
         self._step_results: list[JobResult] = []
+        self._meta_step = -1  # last metadata whose notices and loads ran
+        self._save_step = -1  # last metadata whose saves were queued
         self._closed = False
         self.jobs_done = {JobKind.LOAD: 0, JobKind.SAVE: 0}
         self.jobs_failed = {JobKind.LOAD: 0, JobKind.SAVE: 0}
+        self.jobs_cancelled = 0
+        self.verdicts: Counter[Verdict] = Counter()
+
+    @classmethod
+    def for_kv_caches(
+        cls,
+        store: BlockStore,
+        keys: KeyMaker,
+        kv_caches: Mapping[str, torch.Tensor],
+        num_blocks: int,
+        regions: Any,
+        *,
+        register: Register,
+        staging_blocks: int | None = None,
+        machine: LifecycleMachine | None = None,
+    ) -> WorkerSide:
+        """A worker over vLLM's KV tensors, their memory registered once.
+
+        CUDA caches go through pinned staging (see `connector.transfer`);
+        host caches are zero copy unless `staging_blocks` is given.
+
+        Raises:
+            ValueError: the KV tensors fit no known layout.
+        """
+        transfer = open_transfer(
+            kv_caches,
+            num_blocks,
+            regions,
+            register=register,
+            staging_blocks=staging_blocks,
+        )
+        layout = KVLayout.from_tensors(kv_caches, num_blocks)
+        return cls(
+            store,
+            keys,
+            layout,
+            regions,
+            transfer=transfer,
+            machine=machine,
+        )
+
+    @property
+    def registered(self) -> tuple[int, ...]:
+        """Addresses registered with the store for this worker."""
+        return self.transfer.registered
 
     # -- hooks ----------------------------------------------------------------
 
+    def handle_preemptions(self, meta: ConnectorMeta | None) -> None:
+        """Apply the step's notices before its forward may reuse blocks."""
+        self._take(meta)
+
     def start_load_kv(self, meta: ConnectorMeta | None) -> None:
-        """Queue this step's loads (async: the requests are not running)."""
-        if meta is None:
-            return
-        for job in meta.jobs:
-            if job.kind is JobKind.LOAD:
-                self._queues[JobKind.LOAD].put(job)
+        """Apply the step's notices; queue its loads (all async)."""
+        self._take(meta)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """The forward wrote this layer: saves copy it only after now."""
+        self.transfer.layer_written(layer_name)
 
     def wait_for_save(self, meta: ConnectorMeta | None) -> None:
         """Queue this step's saves, now that the forward pass wrote them.
@@ -206,35 +243,53 @@ class WorkerSide:
         scheduler holds them until the job reports.  An unpinned one
         (vLLM without a bindable block pool) is done before returning.
         """
-        if meta is None:
+        fence = self.transfer.fence()
+        if meta is None or self._closed:
             return
+        self._take(meta)
+        if meta.step <= self._save_step:
+            return
+        self._save_step = meta.step
         for job in meta.jobs:
-            if job.kind is not JobKind.SAVE:
+            if job.kind is not JobKind.SAVE or not self._accept(job):
                 continue
             if job.pinned:
-                self._queues[JobKind.SAVE].put(job)
+                self._queues[JobKind.SAVE].put((job, fence))
             else:
-                self._run(job)
+                self._run(job, fence)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """Drain finished jobs: (done sending, done receiving).
+        """Drain ended jobs: (done sending, done receiving).
 
-        Sending is always None: saves never delay freeing.  Every load
-        job is reported once, failed or not (the failed blocks go to
-        `get_block_ids_with_load_errors`).
+        Sending is always None: saves never delay freeing.  A load is
+        reported as received once, failed or not, when the lifecycle took
+        its completion (its failed blocks go to
+        `get_block_ids_with_load_errors`); never when stale or orphaned.
         """
         recving: set[str] = set()
         while True:
             try:
-                job, ok, failed_blocks = self._results.get_nowait()
+                done = self._done.get_nowait()
             except queue.Empty:
                 break
+            self.verdicts[done.verdict] += 1
+            job = done.job
+            kept = done.verdict in {Verdict.APPLIED, Verdict.ORPHAN}
+            good = done.ok and kept
             self._step_results.append(
-                JobResult(job.job_id, ok=int(ok), failed=int(not ok))
+                JobResult(
+                    job.job_id,
+                    ok=int(good),
+                    failed=int(not good),
+                    stale=int(done.verdict is Verdict.STALE),
+                )
             )
-            if job.kind is JobKind.LOAD:
+            if job.kind is JobKind.LOAD and done.verdict in {
+                Verdict.APPLIED,
+                Verdict.REFUSED,
+            }:
                 recving.add(job.req_id)
-                self._load_errors |= failed_blocks
+                self._load_errors |= done.failed_blocks
         return None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -250,43 +305,152 @@ class WorkerSide:
         self._step_results = []
         return report
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the threads after the queued jobs; bounded by `timeout`."""
-        if self._closed:
-            return
-        self._closed = True
-        for kind in JobKind:
-            self._queues[kind].put(None)
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Cancel queued jobs, let running ones end; bounded by `timeout`.
+
+        A cancelled job fires its failure event and is reported cancelled.
+        A transfer stuck in the store cannot be interrupted: its thread is
+        a daemon and is abandoned after `timeout`.
+
+        Returns:
+            Whether both transfer threads stopped.
+        """
+        if not self._closed:
+            self._closed = True
+            for kind in JobKind:
+                source = self._queues[kind]
+                while True:
+                    try:
+                        item = source.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not None:
+                        self._cancel(item[0])
+                source.put(None)
+        deadline = time.monotonic() + timeout
         for thread in self._threads:
-            thread.join(timeout)
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        stopped = not any(t.is_alive() for t in self._threads)
+        if not stopped:
+            log.warning(
+                "transfer threads still running after %.1f s; abandoned",
+                timeout,
+            )
+        return stopped
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def _take(self, meta: ConnectorMeta | None) -> None:
+        """Fire the notices of `meta` and queue its loads, once per step."""
+        if meta is None or self._closed or meta.step <= self._meta_step:
+            return
+        self._meta_step = meta.step
+        for req_id, epoch in meta.preempted:
+            tracker = self.registry.get(req_id)
+            if tracker is not None:
+                self._catch_up(tracker, epoch)
+        for req_id in sorted(meta.finished):
+            self.registry.fire(req_id, Event.FINISH, known=False)
+        for job in meta.jobs:
+            if job.kind is JobKind.LOAD and self._accept(job):
+                self._queues[JobKind.LOAD].put((job, ()))
+
+    def _catch_up(self, tracker: Tracker, epoch: int) -> None:
+        """Replay preemptions the worker learns of late, through the table."""
+        fire = self.registry.fire_on
+        while tracker.epoch < epoch:
+            if tracker.state is State.NEW:
+                fire(tracker, Event.ALLOC_LOCAL)
+            elif tracker.state is State.RESET:
+                fire(tracker, Event.RESUME)
+            if not (
+                fire(tracker, Event.PREEMPT) and fire(tracker, Event.RESET)
+            ):
+                return
+
+    def _accept(self, job: TransferJob) -> bool:
+        """Fire the job's issue event; a refused job ends at once."""
+        tracker = self.registry.get_or_create(job.req_id)
+        self._catch_up(tracker, job.epoch)
+        fire = self.registry.fire_on
+        if job.kind is JobKind.LOAD:
+            accepted = fire(tracker, Event.ALLOC_EXTERNAL, epoch=job.epoch)
+        else:
+            if tracker.state is State.NEW:
+                fire(tracker, Event.ALLOC_LOCAL)
+            elif tracker.state is State.RESET:
+                fire(tracker, Event.RESUME)
+            accepted = fire(tracker, Event.SAVE_ISSUED, epoch=job.epoch)
+        if accepted:
+            tracker.pending_jobs.add(job.job_id)
+            return True
+        verdict = (
+            Verdict.STALE if tracker.epoch != job.epoch else Verdict.REFUSED
+        )
+        self._post(job, verdict)
+        return False
+
+    def _complete(self, job: TransferJob, *, ok: bool) -> Verdict:
+        """Fire the job's completion with its epoch; post the verdict."""
+        done_event, failed_event = _DONE[job.kind]
+        tracker = self.registry.get(job.req_id)
+        if tracker is None:
+            verdict = Verdict.ORPHAN
+        elif self.registry.fire_on(
+            tracker, done_event if ok else failed_event, epoch=job.epoch
+        ):
+            tracker.pending_jobs.discard(job.job_id)
+            verdict = Verdict.APPLIED
+        elif tracker.epoch != job.epoch:
+            verdict = Verdict.STALE
+        else:
+            verdict = Verdict.REFUSED
+        return verdict
+
+    def _cancel(self, job: TransferJob) -> None:
+        self.jobs_cancelled += 1
+        self._complete(job, ok=False)
+        self._post(job, Verdict.CANCELLED)
+
+    def _post(
+        self,
+        job: TransferJob,
+        verdict: Verdict,
+        *,
+        ok: bool = False,
+        failed: frozenset[int] | None = None,
+    ) -> None:
+        """Hand an ended job to `get_finished` (all blocks failed: None)."""
+        blocks = frozenset(job.block_ids) if failed is None else failed
+        self._done.put(_Done(job, ok, blocks, verdict))
 
     # -- transfers ------------------------------------------------------------
 
     def _serve(self, kind: JobKind) -> None:
         source = self._queues[kind]
-        while (job := source.get()) is not None:
-            self._run(job)
+        while (item := source.get()) is not None:
+            self._run(*item)
 
-    def _run(self, job: TransferJob) -> None:
-        """Run one job; never raises (a failure is a result)."""
-        failed: set[int] = set()
+    def _run(self, job: TransferJob, fence: Fence) -> None:
+        """Run one job and fire its completion; never raises."""
+        failed: frozenset[int] = frozenset()
         try:
             keys = self._keys.keys(job.block_hashes)
-            regions = self._regions.pieces(*self.layout.pieces(job.block_ids))
             if job.kind is JobKind.LOAD:
-                outcome = self._store.get(keys, regions)
+                flags = self.transfer.load(self._store, keys, job.block_ids)
             else:
-                outcome = self._store.put(keys, regions)
-            flags = outcome.succeeded
-            failed = {
+                flags = self.transfer.save(
+                    self._store, keys, job.block_ids, fence
+                )
+            failed = frozenset(
                 b for b, ok in zip(job.block_ids, flags, strict=True) if not ok
-            }
-            ok = not failed
+            )
         except Exception:
             log.exception("%s job %d for %s failed", job.kind.value,
                           job.job_id, job.req_id)  # fmt: skip
-            failed = set(job.block_ids)
-            ok = False
+            failed = frozenset(job.block_ids)
+        ok = not failed
         counter = self.jobs_done if ok else self.jobs_failed
         counter[job.kind] += 1
-        self._results.put((job, ok, failed))
+        verdict = self._complete(job, ok=ok)
+        self._post(job, verdict, ok=ok, failed=failed)

@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_CACHE_ROOT = REPO_ROOT / ".cache" / "vllm-e2e"
 TEST_CONNECTOR_MODULE = "e2e.testing_connectors"
+LIFECYCLE_CONNECTOR = "MooncakeLifecycleConnector"
+LIFECYCLE_CONNECTOR_MODULE = "connector"
+OBSERVED_CONNECTOR = "ObservedLifecycleConnector"
+OBSERVED_CONNECTOR_MODULE = "e2e.lifecycle_connectors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,8 @@ class EngineSpec:
     kv_cache_space_gib: int = 1
     seed: int = 0
     log_level: str = "WARNING"
+    # Torch/OpenMP threads of the model runner (OMP_NUM_THREADS).
+    threads: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +94,7 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_space_gib),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(spec.threads),
         "VLLM_CACHE_ROOT": str(VLLM_CACHE_ROOT),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if spec.multiprocessing else "0",
         "VLLM_LOGGING_LEVEL": spec.log_level,

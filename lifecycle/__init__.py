@@ -20,7 +20,7 @@ from lifecycle.errors import (
     TableProblem,
     UnknownRequest,
 )
-from lifecycle.machine import LifecycleMachine, Observer
+from lifecycle.machine import LifecycleMachine, Observer, RejectObserver
 from lifecycle.registry import Registry
 from lifecycle.states import TERMINAL, Event, State
 from lifecycle.table import TABLE, TRANSITIONS, Row, Table
@@ -38,6 +38,7 @@ __all__ = [
     "LifecycleMachine",
     "Observer",
     "Registry",
+    "RejectObserver",
     "Row",
     "State",
     "Table",

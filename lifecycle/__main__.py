@@ -1,8 +1,9 @@
-"""Command line: ``python -m lifecycle {render,table,demo}``."""
+"""Command line: ``python -m lifecycle {render,table,demo,replay}``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -50,6 +51,21 @@ def _demo(_args: argparse.Namespace) -> int:
     return walk()
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from lifecycle.trace import TraceError, replay_file  # noqa: PLC0415
+
+    try:
+        result = replay_file(args.trace)
+    except TraceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.summary(), indent=2, sort_keys=True))
+    else:
+        print(result.render(args.request), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = argparse.ArgumentParser(prog="python -m lifecycle")
@@ -62,6 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_table)
     p = sub.add_parser("demo", help="walk one request through a preemption")
     p.set_defaults(func=_demo)
+    p = sub.add_parser(
+        "replay",
+        help="replay a lifecycle trace: paths, first illegal ordering, counts",
+    )
+    p.add_argument("trace", help="a JSONL trace (lifecycle_trace)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--request", help="show only this request id's path")
+    p.set_defaults(func=_replay)
     args = parser.parse_args(argv)
     status: int = args.func(args)
     return status

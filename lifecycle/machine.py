@@ -36,6 +36,25 @@ class Observer(Protocol):
         """Observe `tracker` moving from `source` to `dest` on `event`."""
 
 
+class RejectObserver(Protocol):
+    """Called for every event not applied (under the machine's lock)."""
+
+    def __call__(
+        self,
+        req_id: str,
+        epoch: int | None,
+        state: State | None,
+        event: Event,
+        job_epoch: int | None,
+    ) -> None:
+        """Observe a refused `event`.
+
+        Stale when `job_epoch` is set (the completion's epoch); otherwise
+        an illegal ordering, with `state` and `epoch` None for an id the
+        registry does not track.
+        """
+
+
 _FIRE_DOC: Final = """Apply `event` to `tracker` as the table says.
 
 Args:
@@ -136,6 +155,7 @@ class LifecycleMachine(Machine):
         self._illegal_log = RateLimitedLog(logger, log_interval)
         self._stale_log = RateLimitedLog(logger, log_interval, logging.DEBUG)
         self._observers: tuple[Observer, ...] = ()
+        self._reject_observers: tuple[RejectObserver, ...] = ()
         self._rows: tuple[Row, ...] = table.rows
         self._counts: list[int] = [0] * len(table.rows)
         self._dispatch = self._compile()
@@ -229,6 +249,8 @@ class LifecycleMachine(Machine):
     def _illegal(self, tracker: Tracker, event: Event) -> bool:
         state = tracker.state
         self.illegal_counts[(state, event)] += 1
+        for observer in self._reject_observers:
+            observer(tracker.req_id, tracker.epoch, state, event, None)
         if self.strict:
             raise IllegalTransition(
                 state, event, tracker.req_id, tracker.epoch
@@ -246,7 +268,10 @@ class LifecycleMachine(Machine):
         return False
 
     def _stale(self, tracker: Tracker, event: Event, epoch: int) -> None:
-        self.stale_counts[(tracker.state, event)] += 1
+        state = tracker.state
+        self.stale_counts[(state, event)] += 1
+        for observer in self._reject_observers:
+            observer(tracker.req_id, tracker.epoch, state, event, epoch)
         self._stale_log.emit(
             ("stale", event),
             "stale lifecycle event (ignored):",
@@ -270,6 +295,8 @@ class LifecycleMachine(Machine):
         """
         with self._lock:
             self.illegal_counts[(None, event)] += 1
+            for observer in self._reject_observers:
+                observer(req_id, None, None, event, None)
             if self.strict:
                 raise UnknownRequest(event, req_id)
             self._illegal_log.emit(
@@ -286,17 +313,39 @@ class LifecycleMachine(Machine):
         with self._lock:
             self._observers = (*self._observers, observer)
 
-    def remove_observer(self, observer: Observer) -> None:
+    def add_reject_observer(self, observer: RejectObserver) -> None:
+        """Call `observer` for every illegal or stale event."""
+        with self._lock:
+            self._reject_observers = (*self._reject_observers, observer)
+
+    def remove_observer(self, observer: Observer | RejectObserver) -> None:
         """Stop calling `observer`; unknown observers are ignored."""
         with self._lock:
             self._observers = tuple(
                 o for o in self._observers if o is not observer
+            )
+            self._reject_observers = tuple(
+                o for o in self._reject_observers if o is not observer
             )
 
     def transition_counts(self) -> dict[Row, int]:
         """How often each row applied, for every row (zeros included)."""
         with self._lock:
             return dict(zip(self._rows, self._counts, strict=True))
+
+    def row_counts(self) -> tuple[int, ...]:
+        """`transition_counts` as a tuple in `table.rows` order (cheap)."""
+        with self._lock:
+            return tuple(self._counts)
+
+    def rejected_counts(
+        self,
+    ) -> tuple[
+        dict[tuple[State | None, Event], int], dict[tuple[State, Event], int]
+    ]:
+        """Copies of `illegal_counts` and `stale_counts`, under the lock."""
+        with self._lock:
+            return dict(self.illegal_counts), dict(self.stale_counts)
 
     @property
     def illegal_total(self) -> int:

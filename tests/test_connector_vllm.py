@@ -91,6 +91,9 @@ def assert_clean(h):
     assert s.open_jobs == 0
     assert s.unexpected_reports == 0
     assert h.failures == []
+    w = h.worker_connector.worker_side
+    assert dict(w.machine.illegal_counts) == {}
+    assert len(w.registry) == 0
 
 
 class TestScenarios:

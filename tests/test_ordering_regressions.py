@@ -528,11 +528,11 @@ class _Gate:
         worker = h.worker_connector.worker_side
         real = worker._run
 
-        def run_job(job):
+        def run_job(job, *args):
             if which(job):
                 self.held += 1
                 self.event.wait(30)
-            real(job)
+            real(job, *args)
 
         worker._run = run_job
 
@@ -601,13 +601,13 @@ class _HeldReport:
 
     def __init__(self, h):
         worker = h.worker_connector.worker_side
-        self._queue = worker._results
+        self._queue = worker._done
         self.job_id = None
         self.held = []
-        worker._results = self
+        worker._done = self
 
     def put(self, item):
-        job = item[0]
+        job = item.job
         if self.job_id is None and job.req_id == "b":
             self.job_id = job.job_id
         if job.job_id == self.job_id and self.held is not None:

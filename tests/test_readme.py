@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+
+import pytest
 
 from lifecycle.render import to_markdown
 
@@ -15,7 +18,9 @@ def _blocks() -> list[str]:
 
 
 def test_lifecycle_example_runs() -> None:
-    (block,) = [b for b in _blocks() if "registry = Registry" in b]
+    (block,) = [
+        b for b in _blocks() if "registry = Registry" in b and "trace" not in b
+    ]
     namespace: dict[str, object] = {}
     exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
     assert namespace["tracker"].state.name == "FINISHED"
@@ -23,3 +28,92 @@ def test_lifecycle_example_runs() -> None:
 
 def test_readme_table_matches_the_generated_one() -> None:
     assert to_markdown() in README.read_text()
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def _table(section: str) -> dict[str, list[str]]:
+    """First-column key (backticks stripped) -> the other cells."""
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) > 1:
+            rows[cells[0].strip("`")] = cells[1:]
+    return rows
+
+
+def test_trace_example_runs_and_prints_what_the_readme_shows(
+    tmp_path, monkeypatch
+) -> None:
+    from lifecycle.trace import replay_file  # noqa: PLC0415
+
+    (block,) = [b for b in _blocks() if "TraceWriter.open" in b]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {}
+    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    shown = re.search(
+        r"```\n(\d+ events.*?)```", README.read_text(), re.DOTALL
+    )
+    assert shown is not None
+    assert replay_file(tmp_path / "trace.jsonl").render() == shown.group(1)
+
+
+def test_configuration_reference_lists_every_key_with_its_default() -> None:
+    import attrs  # noqa: PLC0415
+
+    from connector.config import (  # noqa: PLC0415
+        StoreConfig,
+        TraceConfig,
+        parse_size,
+    )
+
+    rows = _table(_section("Configuration reference"))
+    expected: dict[str, object] = {
+        f.name: f.default for f in attrs.fields(StoreConfig)
+    }
+    trace = TraceConfig()
+    expected["lifecycle_trace"] = trace.path
+    expected["lifecycle_trace_max_events"] = trace.max_events
+    assert set(rows) == set(expected)
+    for key, (default, meaning) in rows.items():
+        assert meaning
+        cell = default.strip("`")
+        want = expected[key]
+        if want is attrs.NOTHING:
+            assert cell == "required", key
+        elif cell == "null":
+            assert want is None, key
+        elif cell.startswith('"'):
+            assert json.loads(cell) == want, key
+        else:
+            assert parse_size(key, cell) == want, key
+
+
+def test_vllm_serve_example_is_a_valid_connector_config() -> None:
+    from connector.config import StoreConfig, TraceConfig  # noqa: PLC0415
+
+    match = re.search(
+        r"--kv-transfer-config '(\{.*?\})'", README.read_text(), re.DOTALL
+    )
+    assert match is not None
+    config = json.loads(match.group(1))
+    assert config["kv_connector"] == "MooncakeLifecycleConnector"
+    assert config["kv_connector_module_path"] == "connector"
+    assert config["kv_role"] in {"kv_producer", "kv_consumer", "kv_both"}
+    extra = config["kv_connector_extra_config"]
+    store = StoreConfig.from_extra_config(extra)
+    assert store.master_server_address == extra["master_server_address"]
+    assert TraceConfig.from_extra_config(extra).path is None
+
+
+def test_metrics_table_names_the_exported_metrics() -> None:
+    pytest.importorskip("vllm")
+    from connector.stats import MetricName  # noqa: PLC0415
+
+    names = {v for k, v in vars(MetricName).items() if not k.startswith("_")}
+    assert set(_table(_section("Metrics"))) == names

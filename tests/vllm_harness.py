@@ -230,6 +230,8 @@ class Harness:
             the step has a sync load (vLLM 0.33, both runners, GPU and CPU);
             `"before_forward"` always calls it before the forward.
         check_every_step: run the content and block checks after each step.
+        log_stats: let the scheduler build `SchedulerStats` (with the
+            connector's `kv_connector_stats`) in its outputs.
 
     """
 
@@ -251,6 +253,7 @@ class Harness:
         model_runner: ModelRunner = "v2",
         load_order: LoadOrder = "vllm",
         check_every_step: bool = True,
+        log_stats: bool = False,
     ) -> None:
         if model_runner not in ("v1", "v2"):
             msg = f"model_runner must be 'v1' or 'v2', not {model_runner!r}"
@@ -263,6 +266,7 @@ class Harness:
         self.async_scheduling = async_scheduling
         self.load_order: LoadOrder = load_order
         self.check_every_step = check_every_step
+        self.log_stats = log_stats
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_width = kv_width
@@ -440,7 +444,7 @@ class Harness:
             ),
             block_size=self.block_size,
             hash_block_size=self.block_size,
-            log_stats=False,
+            log_stats=self.log_stats,
         )
         return cast("Scheduler", scheduler)
 

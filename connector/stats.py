@@ -1,0 +1,415 @@
+"""Lifecycle and store figures through vLLM's own stats path.
+
+vLLM asks both connector halves for `get_kv_connector_stats` every step:
+the worker's answer travels in `KVConnectorOutput` (summed over ranks by
+`aggregate`), the scheduler's is folded in by `Scheduler.update_from_output`,
+and the result reaches the engine's stat loggers as a plain dict, which
+vLLM turns back into `LifecycleConnectorStats` (`build_kv_connector_stats`)
+to log a `reduce`d summary every interval, and hands to
+`LifecyclePromMetrics.observe` for Prometheus.
+
+The payload (`KVConnectorStats.data`) holds only str keys, ints, floats
+and lists, so it survives pickling and msgpack::
+
+    {"transitions": {"SAVING/preempt": 2, ...},   # by (state, event)
+     "illegal": {"unknown/finish": 1, ...},       # of the scheduler half
+     "stale": {"RESET/save_done": 1, ...},
+     "worker_transitions": {...},                 # the worker half's own
+     "worker_illegal": {...}, "worker_stale": {...},   # machine (per rank)
+     "store": {"get": {"ops": 3, "keys": 12, "bytes": 3145728,
+                       "short_circuited": 0, "failures": {"MISS": 1},
+                       "latencies_s": [0.0012, ...]}, ...},
+     "breaker_trips": 0}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, cast
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+from lifecycle.trace import pair_key
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Histogram
+
+    from connector.store import OpStats, StoreStats
+    from lifecycle import LifecycleMachine
+
+KINDS: Final = ("transitions", "illegal", "stale")
+HALVES: Final = {"scheduler": "", "worker": "worker_"}
+"""Each half's machine counts under its own prefix: both see one event."""
+COUNTS: Final = tuple(f"{p}{k}" for p in HALVES.values() for k in KINDS)
+"""The lifecycle sections of the payload, keyed by ``"STATE/event"``."""
+OP_COUNTERS: Final = ("ops", "keys", "bytes", "short_circuited")
+MAX_LATENCY_SAMPLES: Final = 4096
+"""Latency samples kept per operation while an interval accumulates."""
+
+LATENCY_BUCKETS: Final = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
+class MetricName:
+    """Prometheus names, in vLLM's ``vllm:`` convention."""
+
+    TRANSITIONS = "vllm:kv_lifecycle_transitions_total"
+    ILLEGAL = "vllm:kv_lifecycle_illegal_events_total"
+    STALE = "vllm:kv_lifecycle_stale_events_total"
+    STORE_OPS = "vllm:kv_lifecycle_store_operations_total"
+    STORE_KEYS = "vllm:kv_lifecycle_store_keys_total"
+    STORE_BYTES = "vllm:kv_lifecycle_store_bytes_total"
+    STORE_FAILURES = "vllm:kv_lifecycle_store_failed_keys_total"
+    STORE_LATENCY = "vllm:kv_lifecycle_store_operation_seconds"
+    BREAKER_TRIPS = "vllm:kv_lifecycle_store_breaker_trips_total"
+
+
+def _empty() -> dict[str, Any]:
+    data: dict[str, Any] = {key: {} for key in COUNTS}
+    data["store"] = {}
+    data["breaker_trips"] = 0
+    return data
+
+
+def _is_empty(data: dict[str, Any]) -> bool:
+    return not (
+        any(data[key] for key in COUNTS)
+        or data["store"]
+        or data["breaker_trips"]
+    )
+
+
+def _add(into: dict[str, int], counts: dict[str, int]) -> None:
+    for key, n in counts.items():
+        into[key] = into.get(key, 0) + n
+
+
+@dataclass
+class LifecycleConnectorStats(KVConnectorStats):
+    """One interval's lifecycle counts and store figures (see module doc).
+
+    Counters add up in `aggregate` (ranks, steps); latency samples are
+    concatenated, keeping the latest `MAX_LATENCY_SAMPLES` per operation.
+    """
+
+    def __post_init__(self) -> None:
+        # Own the payload: vLLM hands the same dict to several loggers,
+        # and `aggregate` adds into this object's counters in place.
+        given, self.data = self.data, _empty()
+        self.data["breaker_trips"] = given.get("breaker_trips", 0)
+        for key in COUNTS:
+            self.data[key] = dict(given.get(key, {}))
+        self.data["store"] = {
+            op: {
+                **{k: f.get(k, 0) for k in OP_COUNTERS},
+                "failures": dict(f.get("failures", {})),
+                "latencies_s": list(f.get("latencies_s", ())),
+            }
+            for op, f in given.get("store", {}).items()
+        }
+
+    def reset(self) -> None:
+        """Start an empty interval."""
+        self.data = _empty()
+
+    def clone_and_reset(self) -> LifecycleConnectorStats:
+        """This interval's figures; this object starts a new one."""
+        clone = LifecycleConnectorStats(data=self.data)
+        self.reset()
+        return clone
+
+    def is_empty(self) -> bool:
+        """Whether nothing was counted in this interval."""
+        return _is_empty(self.data)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Fold `other` (another rank, half or step) into this one."""
+        if other.is_empty():
+            return self
+        theirs = other.data
+        for key in COUNTS:
+            _add(self.data[key], theirs.get(key, {}))
+        store = self.data["store"]
+        for op, figures in theirs.get("store", {}).items():
+            mine = store.setdefault(op, _empty_op())
+            for key in OP_COUNTERS:
+                mine[key] += figures.get(key, 0)
+            _add(mine["failures"], figures.get("failures", {}))
+            samples = [*mine["latencies_s"], *figures.get("latencies_s", ())]
+            mine["latencies_s"] = samples[-MAX_LATENCY_SAMPLES:]
+        self.data["breaker_trips"] += theirs.get("breaker_trips", 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The interval as one line of ``name=value`` for vLLM's log."""
+        out: dict[str, int | float] = {
+            "Lifecycle transitions": sum(self.data["transitions"].values()),
+            "Illegal events": sum(self.data["illegal"].values()),
+            "Stale events": sum(self.data["stale"].values()),
+        }
+        for pair, n in sorted(self.data["illegal"].items()):
+            out[f"Illegal {pair}"] = n
+        if any(self.data[f"worker_{k}"] for k in KINDS):
+            worker = {k: self.data[f"worker_{k}"] for k in KINDS}
+            out["Worker transitions"] = sum(worker["transitions"].values())
+            out["Worker illegal events"] = sum(worker["illegal"].values())
+            out["Worker stale events"] = sum(worker["stale"].values())
+        for op, f in sorted(self.data["store"].items()):
+            samples = sorted(f["latencies_s"])
+            out[f"Store {op} ops"] = f["ops"]
+            out[f"Store {op} avg ms"] = _ms(sum(samples) / len(samples))
+            out[f"Store {op} p90 ms"] = _ms(_percentile(samples, 0.9))
+            out[f"Store {op} MB"] = round(f["bytes"] / 2**20, 3)
+            out[f"Store {op} failed keys"] = sum(f["failures"].values())
+            if f["short_circuited"]:
+                out[f"Store {op} short-circuited"] = f["short_circuited"]
+        if self.data["breaker_trips"]:
+            out["Store breaker trips"] = self.data["breaker_trips"]
+        return out
+
+
+def _empty_op() -> dict[str, Any]:
+    return {
+        "ops": 0,
+        "keys": 0,
+        "bytes": 0,
+        "short_circuited": 0,
+        "failures": {},
+        "latencies_s": [],
+    }
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    """Nearest-rank percentile of a sorted, possibly empty, list."""
+    if not ordered:
+        return 0.0
+    return ordered[max(math.ceil(q * len(ordered)) - 1, 0)]
+
+
+def _op_figures(stats: OpStats) -> dict[str, Any]:
+    return {
+        "ops": stats.ops,
+        "keys": stats.keys,
+        "bytes": stats.bytes,
+        "short_circuited": stats.short_circuited,
+        "failures": {o.name: n for o, n in stats.failures.items() if n},
+        "latencies_s": list(stats.latencies_s),
+    }
+
+
+def _delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {
+        k: n - before.get(k, 0) for k, n in now.items() if n - before.get(k, 0)
+    }
+
+
+class StatsSource:
+    """Produces one half's `get_kv_connector_stats` answers.
+
+    Each `take` returns what happened since the previous one: the
+    machine's count increments and the store's counters (read with
+    reset, so two halves sharing one client never count a call twice).
+
+    Args:
+        machine: The half's lifecycle machine, if any (or `watch` later).
+        store: The store client's stats, if any.
+        half: ``"scheduler"`` or ``"worker"``: which payload sections the
+            machine's counts go to.
+    """
+
+    def __init__(
+        self,
+        *,
+        machine: LifecycleMachine | None = None,
+        store: StoreStats | None = None,
+        half: str = "scheduler",
+    ) -> None:
+        if half not in HALVES:
+            msg = f"half must be one of {sorted(HALVES)}, got {half!r}"
+            raise ValueError(msg)
+        self._prefix = HALVES[half]
+        self._store = store
+        self._trips = store.breaker_trips if store is not None else 0
+        self._machine: LifecycleMachine | None = None
+        if machine is not None:
+            self.watch(machine)
+
+    def watch(self, machine: LifecycleMachine) -> None:
+        """Report `machine`'s counts from now on (the worker's comes late)."""
+        self._rows = tuple(
+            pair_key(r.source, r.event) for r in machine.table.rows
+        )
+        self._seen_rows = machine.row_counts()
+        illegal, stale = machine.rejected_counts()
+        self._seen = {
+            "illegal": {pair_key(s, e): n for (s, e), n in illegal.items()},
+            "stale": {pair_key(s, e): n for (s, e), n in stale.items()},
+        }
+        self._machine = machine
+
+    def take(self) -> LifecycleConnectorStats | None:
+        """The figures since the last call, or None if there are none."""
+        data = _empty()
+        if self._machine is not None:
+            self._take_lifecycle(self._machine, data)
+        if self._store is not None:
+            snapshot = self._store.snapshot(reset=True)
+            data["store"] = {
+                op.value: _op_figures(s) for op, s in snapshot.items() if s.ops
+            }
+            trips = self._store.breaker_trips
+            if trips != self._trips:
+                data["breaker_trips"] = trips - self._trips
+                self._trips = trips
+        return None if _is_empty(data) else LifecycleConnectorStats(data=data)
+
+    def _take_lifecycle(
+        self, machine: LifecycleMachine, data: dict[str, Any]
+    ) -> None:
+        prefix = self._prefix
+        rows = machine.row_counts()
+        if rows != self._seen_rows:
+            data[f"{prefix}transitions"] = {
+                key: n - seen
+                for key, n, seen in zip(
+                    self._rows, rows, self._seen_rows, strict=True
+                )
+                if n != seen
+            }
+            self._seen_rows = rows
+        illegal, stale = machine.rejected_counts()
+        for key, counts in (("illegal", illegal), ("stale", stale)):
+            if not counts:
+                continue
+            now = {pair_key(s, e): n for (s, e), n in counts.items()}
+            data[f"{prefix}{key}"] = _delta(now, self._seen[key])
+            self._seen[key] = now
+
+
+class LifecyclePromMetrics(KVConnectorPromMetrics):
+    """Registers the connector's Prometheus metrics and records payloads.
+
+    Counters by (half, state, event) for transitions, illegal and stale
+    events;
+    per store operation: calls, keys, bytes, failed keys by outcome and a
+    latency histogram; breaker trips.
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+        pair = [*labelnames, "half", "state", "event"]
+        op = [*labelnames, "operation"]
+        # vLLM types the classes as a union; these are the two we use.
+        counter = cast("type[Counter]", self._counter_cls)
+        histogram = cast("type[Histogram]", self._histogram_cls)
+        self._by_pair = {
+            "transitions": counter(
+                name=MetricName.TRANSITIONS,
+                documentation="Lifecycle transitions applied, by the state "
+                "the event arrived in and the event.",
+                labelnames=pair,
+            ),
+            "illegal": counter(
+                name=MetricName.ILLEGAL,
+                documentation="Illegal lifecycle orderings ignored (state "
+                "'unknown': an id the connector does not track).",
+                labelnames=pair,
+            ),
+            "stale": counter(
+                name=MetricName.STALE,
+                documentation="Transfer completions from before a "
+                "preemption, ignored.",
+                labelnames=pair,
+            ),
+        }
+        self._by_op = {
+            "ops": counter(
+                name=MetricName.STORE_OPS,
+                documentation="Mooncake store batch calls.",
+                labelnames=op,
+            ),
+            "keys": counter(
+                name=MetricName.STORE_KEYS,
+                documentation="Keys in Mooncake store batch calls.",
+                labelnames=op,
+            ),
+            "bytes": counter(
+                name=MetricName.STORE_BYTES,
+                documentation="Bytes moved by Mooncake store calls.",
+                labelnames=op,
+            ),
+        }
+        self._failures = counter(
+            name=MetricName.STORE_FAILURES,
+            documentation="Keys a Mooncake store call did not serve, by "
+            "outcome (MISS, STORE_FULL, MASTER_UNREACHABLE, ...).",
+            labelnames=[*op, "outcome"],
+        )
+        self._latency = histogram(
+            name=MetricName.STORE_LATENCY,
+            documentation="Latency of Mooncake store batch calls.",
+            labelnames=op,
+            buckets=LATENCY_BUCKETS,
+        )
+        self._trips = counter(
+            name=MetricName.BREAKER_TRIPS,
+            documentation="Times the store's circuit breaker opened.",
+            labelnames=list(labelnames),
+        )
+
+    def observe(
+        self, transfer_stats_data: dict[str, Any], engine_idx: int = 0
+    ) -> None:
+        """Record one payload (`LifecycleConnectorStats.data`)."""
+        engine = self.per_engine_labelvalues[engine_idx]
+        data = transfer_stats_data
+        for half, prefix in HALVES.items():
+            for kind, metric in self._by_pair.items():
+                for pair, n in data.get(f"{prefix}{kind}", {}).items():
+                    state, _, event = pair.partition("/")
+                    metric.labels(*engine, half, state, event).inc(n)
+        for op, figures in data.get("store", {}).items():
+            for key, metric in self._by_op.items():
+                if figures.get(key):
+                    metric.labels(*engine, op).inc(figures[key])
+            for outcome, n in figures.get("failures", {}).items():
+                self._failures.labels(*engine, op, outcome).inc(n)
+            latency = self._latency.labels(*engine, op)
+            for seconds in figures.get("latencies_s", ()):
+                latency.observe(seconds)
+        if data.get("breaker_trips"):
+            self._trips.labels(*engine).inc(data["breaker_trips"])

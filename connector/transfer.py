@@ -1,0 +1,622 @@
+"""How whole KV blocks move between vLLM's KV cache and the store.
+
+Both strategies answer one interface (`Transfer`): per block, did it move.
+
+* `Direct`: the store reads and writes the KV tensors themselves (zero
+  copy).  For KV caches in host memory, registered with the store once.
+* `Staged`: blocks go through a staging buffer in host memory (pinned on
+  CUDA) registered with the store once.  A save gathers its blocks into the
+  buffer (device -> host) and puts from it; a load gets into the buffer and
+  scatters from it (host -> device).  The gather/scatter code is one piece
+  over a `DeviceOps`: `HostOps` for CPU tensors (what CI runs, so CPU tests
+  exercise the very copy and ordering code the GPU runs) and `CudaOps`, a
+  side stream ordered after the compute stream by CUDA events.
+
+Ordering on CUDA:
+
+* `layer_written(layer)` (from `save_kv_layer`) records an event on the
+  current stream after the layer's compute; `fence()` (from
+  `wait_for_save`) records one after the whole step and hands each save job
+  a `Fence`: per KV piece, its layer's event, or the step's when the layer
+  reported nothing this step.  The save's side stream waits on the piece's
+  event before copying it, and the host waits for the copies before the
+  put reads the staging buffer.
+* A load's scatter is waited for on the host before the job completes, so a
+  request is reported as received only once its KV is in the device cache:
+  every later kernel, on any stream, sees it.
+
+Every store object is the concatenation of a block's pieces in layer order,
+so both strategies store the same bytes under the same key.  No vLLM
+import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+_KV_HALVES: Final = 2  # K and V, on K/V-first layouts
+DEFAULT_STAGING_BLOCKS: Final = 32
+"""Blocks per staging buffer (one buffer for loads, one for saves)."""
+
+Fence = tuple[Any, ...]
+"""Per KV piece, what its copy must wait for (None: nothing)."""
+
+
+class BatchOutcome(Protocol):
+    """Per-key success of one batch call."""
+
+    @property
+    def succeeded(self) -> list[bool]:
+        """One flag per key."""
+
+
+class BlockStore(Protocol):
+    """What a transfer needs from a store client."""
+
+    def put(self, keys: Sequence[str], regions: Any) -> BatchOutcome:
+        """Save each key's region (existing keys keep their value)."""
+
+    def get(self, keys: Sequence[str], regions: Any) -> BatchOutcome:
+        """Load each key into its region."""
+
+
+Register = Callable[[int, int], bool]
+"""Registers ``(ptr, nbytes)`` with the store; False if already covered."""
+
+
+@attrs.frozen
+class Segment:
+    """One blocks-first memory range: block `b` at `base + b * stride`."""
+
+    base: int
+    stride: int
+    nbytes: int
+
+
+@attrs.frozen
+class KVLayout:
+    """Where every block's bytes live, across all layers.
+
+    Attributes:
+        num_blocks: Blocks per layer.
+        segments: Per layer (and per K/V half on K/V-first layouts), the
+            range holding that layer's part of every block.
+    """
+
+    num_blocks: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer: one store object."""
+        return sum(s.nbytes for s in self.segments)
+
+    def pieces(
+        self, block_ids: Sequence[int]
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """Per block, the (addresses, sizes) of its pieces, in layer order."""
+        sizes = [s.nbytes for s in self.segments]
+        ptrs = [
+            [s.base + b * s.stride for s in self.segments] for b in block_ids
+        ]
+        return ptrs, [sizes] * len(block_ids)
+
+    @classmethod
+    def from_tensors(
+        cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int
+    ) -> KVLayout:
+        """Read the layout off vLLM's per-layer KV tensors.
+
+        Accepts blocks-first tensors (``[num_blocks, ...]``, CPU and
+        FlashInfer/MLA layouts) and K/V-first ones (``[2, num_blocks,
+        ...]``, FlashAttention).
+
+        Raises:
+            ValueError: naming the layer whose shape fits neither, or whose
+                blocks are not contiguous.
+        """
+        return cls.of_pieces(block_pieces(kv_caches, num_blocks), num_blocks)
+
+    @classmethod
+    def of_pieces(cls, pieces: Sequence[Piece], num_blocks: int) -> KVLayout:
+        """The layout of blocks-first piece views."""
+        return cls(
+            num_blocks,
+            tuple(
+                Segment(
+                    base=p.view.data_ptr(),
+                    stride=p.view.stride(0) * p.view.element_size(),
+                    nbytes=p.nbytes,
+                )
+                for p in pieces
+            ),
+        )
+
+
+@attrs.frozen
+class Piece:
+    """One layer's (or K/V half's) part of every block.
+
+    Attributes:
+        layer: The layer it belongs to.
+        view: Blocks-first view ``[num_blocks, ...]`` of the KV tensor.
+        nbytes: Bytes of one block's part.
+    """
+
+    layer: str
+    view: torch.Tensor
+    nbytes: int
+
+
+def block_pieces(
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int
+) -> list[Piece]:
+    """Blocks-first views of vLLM's KV tensors, in layer order.
+
+    Raises:
+        ValueError: naming the layer whose shape is neither
+            ``[num_blocks, ...]`` nor ``[2, num_blocks, ...]``, or whose
+            blocks are not contiguous.
+    """
+    pieces: list[Piece] = []
+    for name, tensor in kv_caches.items():
+        shape = tuple(tensor.shape)
+        if shape and shape[0] == num_blocks:
+            halves = [tensor]
+        elif (
+            len(shape) > 1
+            and shape[0] == _KV_HALVES
+            and shape[1] == num_blocks
+        ):
+            halves = [tensor[0], tensor[1]]
+        else:
+            msg = (
+                f"KV cache for layer {name!r} has shape {shape}; "
+                f"expected [{num_blocks}, ...] or [2, {num_blocks}, ...]"
+            )
+            raise ValueError(msg)
+        for half in halves:
+            block = half[0]
+            if not block.is_contiguous():
+                msg = f"KV blocks of layer {name!r} are not contiguous"
+                raise ValueError(msg)
+            pieces.append(
+                Piece(name, half, block.numel() * block.element_size())
+            )
+    devices = {p.view.device for p in pieces}
+    if len(devices) > 1:
+        msg = f"KV caches span several devices: {sorted(map(str, devices))}"
+        raise ValueError(msg)
+    return pieces
+
+
+class Transfer(Protocol):
+    """Moves whole blocks between the KV cache and the store.
+
+    `save` and `load` return one success flag per block and may run on any
+    thread; `layer_written` and `fence` run on the forward's thread.
+    """
+
+    registered: tuple[int, ...]
+    """Addresses this transfer registered with the store (to unregister)."""
+
+    def layer_written(self, layer: str) -> None:
+        """The forward wrote `layer`'s KV for this step (`save_kv_layer`)."""
+
+    def fence(self) -> Fence:
+        """What this step's saves must wait for; starts the next step."""
+
+    def save(
+        self,
+        store: BlockStore,
+        keys: Sequence[str],
+        block_ids: Sequence[int],
+        fence: Fence,
+    ) -> list[bool]:
+        """Store each block under its key, after `fence`."""
+
+    def load(
+        self, store: BlockStore, keys: Sequence[str], block_ids: Sequence[int]
+    ) -> list[bool]:
+        """Fill each block from its key; done (visible) on return."""
+
+
+class Direct:
+    """Zero copy: the store reads and writes the (host) KV tensors.
+
+    Args:
+        layout: Where the blocks live (registered with the store).
+        regions: Builds a store batch (`connector.store.Regions`).
+        registered: Addresses registered for the layout.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        regions: Any,
+        registered: tuple[int, ...] = (),
+    ) -> None:
+        self.layout = layout
+        self._regions = regions
+        self.registered = registered
+
+    def layer_written(self, layer: str) -> None:
+        """Nothing: host compute is done when the hook runs."""
+
+    def fence(self) -> Fence:
+        """Nothing to wait for."""
+        return ()
+
+    def save(
+        self,
+        store: BlockStore,
+        keys: Sequence[str],
+        block_ids: Sequence[int],
+        fence: Fence,
+    ) -> list[bool]:
+        """Put the blocks straight from the KV tensors."""
+        del fence
+        regions = self._regions.pieces(*self.layout.pieces(block_ids))
+        return store.put(keys, regions).succeeded
+
+    def load(
+        self, store: BlockStore, keys: Sequence[str], block_ids: Sequence[int]
+    ) -> list[bool]:
+        """Get the blocks straight into the KV tensors."""
+        regions = self._regions.pieces(*self.layout.pieces(block_ids))
+        return store.get(keys, regions).succeeded
+
+
+class DeviceOps(Protocol):
+    """The device-specific half of staging: buffers, streams, events."""
+
+    device: torch.device
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """A host ``uint8`` buffer the device copies to and from."""
+
+    def record(self) -> Any:
+        """A marker after the work queued so far on the current stream."""
+
+    def side(self) -> contextlib.AbstractContextManager[None]:
+        """Where this lane's copies are issued."""
+
+    def wait(self, marker: Any) -> None:
+        """Order the lane's later copies after `marker` (inside `side`)."""
+
+    def sync(self) -> None:
+        """Block the calling thread until the lane's copies are done."""
+
+
+class HostOps:
+    """CPU tensors: copies are synchronous, nothing to order."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.waits = 0  # markers waited on (the ordering code ran)
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """A plain host buffer."""
+        import torch  # noqa: PLC0415 - torch is optional for the package
+
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def record(self) -> Any:
+        """No marker: host work is complete when queued."""
+        return None
+
+    def side(self) -> contextlib.AbstractContextManager[None]:
+        """The calling thread itself."""
+        return contextlib.nullcontext()
+
+    def wait(self, marker: Any) -> None:
+        """Counts the wait (nothing to wait for on the host)."""
+        del marker
+        self.waits += 1
+
+    def sync(self) -> None:
+        """Nothing: host copies are done on return."""
+
+
+class CudaOps:
+    """A side stream, ordered after the compute stream by CUDA events.
+
+    Args:
+        device: The CUDA device of the KV cache.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        import torch  # noqa: PLC0415
+
+        self.device = device
+        self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """Pinned host memory, so copies are truly asynchronous."""
+        import torch  # noqa: PLC0415
+
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def record(self) -> Any:
+        """An event recorded on the caller's current stream.
+
+        None while the stream is being captured into a CUDA graph: an
+        event recorded then would not be re-recorded at replay.
+        """
+        import torch  # noqa: PLC0415
+
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @contextlib.contextmanager
+    def _side(self) -> Iterator[None]:
+        import torch  # noqa: PLC0415
+
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            yield
+
+    def side(self) -> contextlib.AbstractContextManager[None]:
+        """The side stream as the current one, on the KV cache's device."""
+        return self._side()
+
+    def wait(self, marker: Any) -> None:
+        """The side stream waits for the event (no host wait)."""
+        if marker is not None:
+            self._stream.wait_event(marker)
+
+    def sync(self) -> None:
+        """Wait on the host for everything queued on the side stream."""
+        self._stream.synchronize()
+
+
+@attrs.define(eq=False)
+class _Lane:
+    """One direction's staging buffer: `slots` whole blocks, contiguous."""
+
+    ops: DeviceOps
+    buffer: torch.Tensor  # uint8 [slots, block_bytes]
+    layout: KVLayout
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    @property
+    def slots(self) -> int:
+        return self.layout.num_blocks
+
+
+class Staged:
+    """Blocks go through host staging buffers (pinned on CUDA).
+
+    Args:
+        pieces: Blocks-first views of the KV cache (`block_pieces`).
+        regions: Builds a store batch (`connector.store.Regions`).
+        ops: Builds one `DeviceOps` per lane (loads, saves).
+        slots: Blocks per staging buffer; longer jobs go in chunks.
+        register: Registers each staging buffer with the store, once.
+    """
+
+    def __init__(
+        self,
+        pieces: Sequence[Piece],
+        regions: Any,
+        ops: Callable[[], DeviceOps],
+        *,
+        slots: int = DEFAULT_STAGING_BLOCKS,
+        register: Register,
+    ) -> None:
+        if slots <= 0:
+            msg = f"staging slots must be positive, got {slots}"
+            raise ValueError(msg)
+        if not pieces:
+            msg = "no KV cache to stage"
+            raise ValueError(msg)
+        self._pieces = tuple(pieces)
+        self._regions = regions
+        self.block_bytes = sum(p.nbytes for p in pieces)
+        offsets = [0]
+        for p in pieces[:-1]:
+            offsets.append(offsets[-1] + p.nbytes)
+        self._offsets = tuple(offsets)
+        registered = []
+        self._lanes: list[_Lane] = []
+        for _ in range(2):
+            lane_ops = ops()
+            buffer = lane_ops.buffer(slots * self.block_bytes)
+            if register(buffer.data_ptr(), buffer.numel()):
+                registered.append(buffer.data_ptr())
+            seg = Segment(
+                buffer.data_ptr(), self.block_bytes, self.block_bytes
+            )
+            self._lanes.append(
+                _Lane(
+                    lane_ops,
+                    buffer.view(slots, self.block_bytes),
+                    KVLayout(slots, (seg,)),
+                )
+            )
+        self.registered = tuple(registered)
+        self._loads, self._saves = self._lanes
+        self._marks: dict[str, Any] = {}
+
+    @property
+    def slots(self) -> int:
+        """Blocks per staging buffer."""
+        return self._saves.slots
+
+    @property
+    def ops(self) -> tuple[DeviceOps, DeviceOps]:
+        """The (load, save) lanes' device ops."""
+        return self._loads.ops, self._saves.ops
+
+    # -- ordering (forward thread) ------------------------------------------
+
+    def layer_written(self, layer: str) -> None:
+        """Mark the end of `layer`'s compute on the current stream.
+
+        No mark (None: host memory, or a CUDA graph being captured, whose
+        replay runs no Python) leaves the layer to the step-wide one.
+        """
+        mark = self._saves.ops.record()
+        if mark is not None:
+            self._marks[layer] = mark
+
+    def fence(self) -> Fence:
+        """Per piece, its layer's mark this step, else a step-wide one."""
+        marks, self._marks = self._marks, {}
+        step = self._saves.ops.record()
+        return tuple(marks.get(p.layer, step) for p in self._pieces)
+
+    # -- transfers (any thread) ---------------------------------------------
+
+    def save(
+        self,
+        store: BlockStore,
+        keys: Sequence[str],
+        block_ids: Sequence[int],
+        fence: Fence,
+    ) -> list[bool]:
+        """Gather into staging after `fence`, then put from it."""
+        lane = self._saves
+        flags: list[bool] = []
+        for first in range(0, len(block_ids), lane.slots):
+            chunk = list(block_ids[first : first + lane.slots])
+            with lane.lock:
+                self._gather(lane, chunk, fence)
+                regions = self._slot_regions(lane, len(chunk))
+                chunk_keys = keys[first : first + len(chunk)]
+                flags += store.put(chunk_keys, regions).succeeded
+        return flags
+
+    def load(
+        self, store: BlockStore, keys: Sequence[str], block_ids: Sequence[int]
+    ) -> list[bool]:
+        """Get into staging, then scatter the blocks that arrived."""
+        lane = self._loads
+        flags: list[bool] = []
+        for first in range(0, len(block_ids), lane.slots):
+            chunk = list(block_ids[first : first + lane.slots])
+            with lane.lock:
+                regions = self._slot_regions(lane, len(chunk))
+                chunk_keys = keys[first : first + len(chunk)]
+                got = store.get(chunk_keys, regions).succeeded
+                self._scatter(lane, chunk, got)
+            flags += got
+        return flags
+
+    def _slot_regions(self, lane: _Lane, count: int) -> Any:
+        return self._regions.pieces(*lane.layout.pieces(range(count)))
+
+    def _gather(self, lane: _Lane, chunk: list[int], fence: Fence) -> None:
+        """Copy `chunk`'s blocks into staging slots 0..k-1, then wait."""
+        import torch  # noqa: PLC0415
+
+        ops, k = lane.ops, len(chunk)
+        rows = lane.buffer[:k]
+        with ops.side():
+            ids = torch.tensor(chunk, dtype=torch.int64, device=ops.device)
+            # Pack on the device (strided copies stay on the device), then
+            # one contiguous copy into the pinned rows.
+            same = rows.device == ops.device
+            packed = (
+                rows
+                if same
+                else torch.empty(
+                    (k, self.block_bytes), dtype=torch.uint8, device=ops.device
+                )
+            )
+            marks = fence or (None,) * len(self._pieces)
+            for piece, offset, mark in zip(
+                self._pieces, self._offsets, marks, strict=True
+            ):
+                ops.wait(mark)
+                part = piece.view.index_select(0, ids).reshape(k, -1)
+                packed[:, offset : offset + piece.nbytes].copy_(
+                    part.view(torch.uint8)
+                )
+            if not same:
+                rows.copy_(packed, non_blocking=True)
+            ops.sync()
+
+    def _scatter(self, lane: _Lane, chunk: list[int], got: list[bool]) -> None:
+        """Copy the staged blocks that arrived into the KV cache; wait."""
+        import torch  # noqa: PLC0415
+
+        slots = [i for i, ok in enumerate(got) if ok]
+        if not slots:
+            return
+        ops = lane.ops
+        k = len(slots)
+        with ops.side():
+            ids = torch.tensor(
+                [chunk[i] for i in slots], dtype=torch.int64, device=ops.device
+            )
+            rows = lane.buffer[: len(chunk)]
+            if k < len(chunk):
+                rows = rows[torch.tensor(slots, dtype=torch.int64)]
+            packed = rows.to(ops.device, non_blocking=True)
+            for piece, offset in zip(self._pieces, self._offsets, strict=True):
+                view = piece.view
+                part = (
+                    packed[:, offset : offset + piece.nbytes]
+                    .contiguous()
+                    .view(view.dtype)
+                    .reshape(k, *view.shape[1:])
+                )
+                view.index_copy_(0, ids, part)
+            ops.sync()
+
+
+def open_transfer(
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    regions: Any,
+    *,
+    register: Register,
+    staging_blocks: int | None = None,
+) -> Transfer:
+    """The transfer for these KV caches, with its memory registered.
+
+    CUDA caches are staged through pinned host memory (the non-CUDA
+    Mooncake wheel cannot register device memory); host caches are
+    registered and moved zero-copy unless `staging_blocks` asks for
+    staging (tests use it to run the staging code on CPU).
+
+    Raises:
+        ValueError: the KV tensors fit no known layout.
+    """
+    pieces = block_pieces(kv_caches, num_blocks)
+    device = pieces[0].view.device if pieces else None
+    if device is not None and device.type == "cuda":
+        return Staged(
+            pieces,
+            regions,
+            lambda: CudaOps(device),
+            slots=staging_blocks or DEFAULT_STAGING_BLOCKS,
+            register=register,
+        )
+    if staging_blocks is not None and device is not None:
+        return Staged(
+            pieces,
+            regions,
+            lambda: HostOps(device),
+            slots=staging_blocks,
+            register=register,
+        )
+    registered = []
+    for tensor in kv_caches.values():
+        storage = tensor.untyped_storage()
+        if register(storage.data_ptr(), storage.nbytes()):
+            registered.append(storage.data_ptr())
+    return Direct(
+        KVLayout.of_pieces(pieces, num_blocks), regions, tuple(registered)
+    )

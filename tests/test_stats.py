@@ -1,0 +1,269 @@
+"""`connector.stats`: deltas, aggregation, reduce and Prometheus (no engine).
+
+The machine and the store counters are the real ones; only the store calls
+are recorded by hand (`BatchResult`s), as the store client would.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from connector.stats import (
+    MAX_LATENCY_SAMPLES,
+    LifecycleConnectorStats,
+    LifecyclePromMetrics,
+    MetricName,
+    StatsSource,
+)
+from connector.store import BatchResult, Op, Outcome, StoreStats
+from connector.vllm_connector import MooncakeLifecycleConnector
+from lifecycle import Event, LifecycleMachine, Registry, Tracker
+
+E = Event
+
+
+def registry_bound(base, registry):
+    """`base` registering into `registry` instead of the global one."""
+
+    class Bound(base):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("registry", registry)
+            super().__init__(*args, **kwargs)
+
+    return Bound
+
+
+def metric_types(registry):
+    return {
+        Gauge: registry_bound(Gauge, registry),
+        Counter: registry_bound(Counter, registry),
+        Histogram: registry_bound(Histogram, registry),
+    }
+
+
+def record(stats, op, outcomes, *, nbytes=0, elapsed_s=0.001):
+    failed = sum(o not in {Outcome.HIT, Outcome.STORED} for o in outcomes)
+    result = BatchResult(
+        op, outcomes, [0] * len(outcomes), nbytes=nbytes, elapsed_s=elapsed_s
+    )
+    stats.record(result, failed)
+
+
+@pytest.fixture
+def lifecycle():
+    machine = LifecycleMachine()
+    return machine, Registry(machine, Tracker)
+
+
+def test_source_reports_what_happened_since_the_last_take(lifecycle):
+    machine, registry = lifecycle
+    store = StoreStats()
+    source = StatsSource(machine=machine, store=store)
+    assert source.take() is None
+    registry.get_or_create("r")
+    registry.fire("r", E.LOOKUP)
+    registry.fire("r", E.LOOKUP)
+    registry.fire("r", E.ALLOC_LOCAL)
+    record(store, Op.GET, [Outcome.HIT, Outcome.MISS], nbytes=512)
+    first = source.take()
+    assert first is not None
+    assert first.data["transitions"] == {"NEW/lookup": 2, "NEW/alloc_local": 1}
+    assert first.data["illegal"] == {}
+    get = first.data["store"]["get"]
+    assert (get["ops"], get["keys"], get["bytes"]) == (1, 2, 512)
+    assert get["failures"] == {"MISS": 1}
+    assert get["latencies_s"] == [0.001]
+    assert source.take() is None
+    registry.fire("r", E.LOAD_DONE)  # illegal in SAVING
+    registry.fire("gone", E.FINISH)  # unknown id
+    registry.fire("r", E.SAVE_DONE, epoch=7)  # stale
+    store.trip()
+    second = source.take()
+    assert second is not None
+    assert second.data["transitions"] == {}
+    assert second.data["illegal"] == {
+        "SAVING/load_done": 1,
+        "unknown/finish": 1,
+    }
+    assert second.data["stale"] == {"SAVING/save_done": 1}
+    assert second.data["breaker_trips"] == 1
+    assert second.data["store"] == {}
+
+
+def test_the_worker_half_reports_its_own_machine_apart(lifecycle):
+    machine, registry = lifecycle
+    registry.get_or_create("early")
+    registry.fire("early", E.LOOKUP)  # before `watch`: not reported
+    source = StatsSource(half="worker")
+    assert source.take() is None
+    source.watch(machine)
+    registry.get_or_create("r")
+    registry.fire("r", E.ALLOC_EXTERNAL)
+    registry.fire("r", E.LOAD_DONE, epoch=3)
+    stats = source.take()
+    assert stats is not None
+    assert stats.data["worker_transitions"] == {"NEW/alloc_external": 1}
+    assert stats.data["worker_stale"] == {"LOADING/load_done": 1}
+    assert stats.data["transitions"] == {}
+    reduced = stats.reduce()
+    assert reduced["Worker transitions"] == 1
+    assert reduced["Worker stale events"] == 1
+    assert reduced["Lifecycle transitions"] == 0
+    with pytest.raises(ValueError, match="half"):
+        StatsSource(half="both")
+
+
+def test_two_halves_sharing_a_client_never_count_a_call_twice():
+    store = StoreStats()
+    scheduler, worker = StatsSource(store=store), StatsSource(store=store)
+    record(store, Op.EXISTS, [Outcome.HIT])
+    record(store, Op.PUT, [Outcome.STORED] * 3, nbytes=300)
+    a = scheduler.take()
+    record(store, Op.PUT, [Outcome.STORE_FULL])
+    b = worker.take()
+    assert a is not None
+    assert b is not None
+    both = a.aggregate(b)
+    assert both.data["store"]["put"]["ops"] == 2
+    assert both.data["store"]["put"]["keys"] == 4
+    assert both.data["store"]["put"]["failures"] == {"STORE_FULL": 1}
+    assert both.data["store"]["exists"]["ops"] == 1
+
+
+def payload(transitions, *, get_ops=0, latencies=()):
+    data = {"transitions": transitions, "illegal": {}, "stale": {}}
+    data["store"] = (
+        {
+            "get": {
+                "ops": get_ops,
+                "keys": 2 * get_ops,
+                "bytes": 1024 * get_ops,
+                "short_circuited": 0,
+                "failures": {"MISS": 1},
+                "latencies_s": list(latencies),
+            }
+        }
+        if get_ops
+        else {}
+    )
+    return data
+
+
+def test_aggregate_sums_ranks_and_reduce_summarises():
+    rank0 = LifecycleConnectorStats(
+        data=payload({"NEW/lookup": 2}, get_ops=1, latencies=[0.002])
+    )
+    rank1 = LifecycleConnectorStats(
+        data=payload(
+            {"NEW/lookup": 1, "SAVING/preempt": 1},
+            get_ops=3,
+            latencies=[0.001, 0.003, 0.004],
+        )
+    )
+    total = rank0.aggregate(rank1)
+    assert total is rank0
+    assert total.data["transitions"] == {"NEW/lookup": 3, "SAVING/preempt": 1}
+    reduced = total.reduce()
+    assert reduced["Lifecycle transitions"] == 4
+    assert reduced["Illegal events"] == 0
+    assert reduced["Store get ops"] == 4
+    assert reduced["Store get avg ms"] == 2.5
+    assert reduced["Store get p90 ms"] == 4.0
+    assert reduced["Store get failed keys"] == 2
+    assert reduced["Store get MB"] == round(4096 / 2**20, 3)
+    assert "Store get short-circuited" not in reduced
+    rank1.data["store"]["get"]["short_circuited"] = 2
+    assert rank1.reduce()["Store get short-circuited"] == 2
+    assert rank1.data["transitions"] == {"NEW/lookup": 1, "SAVING/preempt": 1}
+
+
+def test_empty_stats_and_clone_and_reset():
+    stats = LifecycleConnectorStats()
+    assert stats.is_empty()
+    full = LifecycleConnectorStats(data=payload({"NEW/lookup": 1}))
+    assert not full.is_empty()
+    assert stats.aggregate(LifecycleConnectorStats()).is_empty()
+    clone = full.clone_and_reset()
+    assert full.is_empty()
+    assert clone.data["transitions"] == {"NEW/lookup": 1}
+
+
+def test_latency_samples_stay_bounded_while_an_interval_accumulates():
+    stats = LifecycleConnectorStats()
+    chunk = [0.001] * 1000
+    for _ in range(6):
+        stats.aggregate(
+            LifecycleConnectorStats(
+                data=payload({}, get_ops=1000, latencies=chunk)
+            )
+        )
+    get = stats.data["store"]["get"]
+    assert len(get["latencies_s"]) == MAX_LATENCY_SAMPLES
+    assert get["ops"] == 6000
+
+
+def test_payload_survives_json_and_is_rebuilt_by_the_connector():
+    stats = LifecycleConnectorStats(
+        data=payload({"RESET/finish": 2}, get_ops=1, latencies=[0.5])
+    )
+    stats.data["illegal"] = {"unknown/finish": 1}
+    wire = json.loads(json.dumps(stats.to_dict()))
+    rebuilt = MooncakeLifecycleConnector.build_kv_connector_stats(wire)
+    assert isinstance(rebuilt, LifecycleConnectorStats)
+    assert rebuilt.data == stats.data
+    assert rebuilt.reduce() == stats.reduce()
+    assert MooncakeLifecycleConnector.build_kv_connector_stats(None).is_empty()
+    # Worker -> engine core: vLLM pickles the model runner's output.
+    assert pickle.loads(pickle.dumps(stats)).data == stats.data  # noqa: S301
+
+
+def test_prometheus_metrics_follow_vllm_names_and_count():
+    registry = CollectorRegistry()
+    prom = MooncakeLifecycleConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        metric_types(registry),
+        ["model_name", "engine"],
+        {0: ["m", "0"], 1: ["m", "1"]},
+    )
+    assert isinstance(prom, LifecyclePromMetrics)
+    data = payload({"SAVING/preempt": 2}, get_ops=2, latencies=[0.002, 0.2])
+    data["illegal"] = {"unknown/finish": 1}
+    data["worker_stale"] = {"RESET/save_done": 3}
+    data["breaker_trips"] = 1
+    prom.observe(data, engine_idx=1)
+    prom.observe(data, engine_idx=1)
+    engine = {"model_name": "m", "engine": "1"}
+    value = registry.get_sample_value
+    scheduler = {**engine, "half": "scheduler"}
+    pair = {**scheduler, "state": "SAVING", "event": "preempt"}
+    assert value(MetricName.TRANSITIONS, pair) == 4
+    unknown = {**scheduler, "state": "unknown", "event": "finish"}
+    assert value(MetricName.ILLEGAL, unknown) == 2
+    stale = {
+        **engine,
+        "half": "worker",
+        "state": "RESET",
+        "event": "save_done",
+    }
+    assert value(MetricName.STALE, stale) == 6
+    assert value(MetricName.STALE, {**stale, "half": "scheduler"}) is None
+    get = {**engine, "operation": "get"}
+    assert value(MetricName.STORE_OPS, get) == 4
+    assert value(MetricName.STORE_BYTES, get) == 4096
+    assert value(MetricName.STORE_FAILURES, {**get, "outcome": "MISS"}) == 2
+    histogram = MetricName.STORE_LATENCY
+    assert value(f"{histogram}_count", get) == 4
+    assert value(f"{histogram}_bucket", {**get, "le": "0.0025"}) == 2
+    assert value(MetricName.BREAKER_TRIPS, engine) == 2
+    zero = {"model_name": "m", "engine": "0", "operation": "get"}
+    assert value(MetricName.STORE_OPS, zero) is None
+    names = {m.name for m in registry.collect()}
+    assert all(n.startswith("vllm:kv_lifecycle_") for n in names)

@@ -1,0 +1,171 @@
+"""Connector stats through vLLM 0.33's own path, over a real master.
+
+The worker half's stats ride in `KVConnectorOutput.kv_connector_stats`,
+the real `Scheduler.update_from_output` folds in the scheduler half's and
+puts the payload in `SchedulerStats`; that crosses vLLM's msgpack encoder,
+then vLLM's `KVConnectorLogging` and `KVConnectorProm` consume it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorLogging,
+    KVConnectorProm,
+)
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+from connector.stats import LifecycleConnectorStats, MetricName
+from lifecycle import Event
+from lifecycle.trace import pair_key
+from tests.test_connector_vllm import CONNECTOR, prompt, run, side
+from tests.test_stats import registry_bound
+from tests.vllm_harness import Harness
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
+
+
+@pytest.fixture
+def extra(mooncake_master, unique):
+    return {
+        "master_server_address": mooncake_master.rpc_address,
+        "metadata_server": mooncake_master.metadata_server,
+        "protocol": "tcp",
+        "global_segment_size": "64MiB",
+        "local_buffer_size": "16MiB",
+        "namespace": unique,
+    }
+
+
+@pytest.fixture
+def harnesses():
+    made = []
+    yield made
+    for h in reversed(made):
+        h.close()
+
+
+def capture_outputs(h):
+    """Every `EngineCoreOutputs` the real scheduler returns, msgpack'd."""
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+    payloads = []
+    real = h.scheduler.update_from_output
+
+    def update_from_output(*args, **kwargs):
+        outputs = real(*args, **kwargs)
+        for eco in outputs.values():
+            wire = decoder.decode(encoder.encode(eco))
+            stats = wire.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                payloads.append(stats.kv_connector_stats)
+        return outputs
+
+    h.scheduler.update_from_output = update_from_output
+    return payloads
+
+
+def counts_of(machine):
+    return {
+        pair_key(r.source, r.event): n
+        for r, n in machine.transition_counts().items()
+        if n
+    }
+
+
+def vllm_log_line(h, payloads):
+    """What vLLM's `KVConnectorLogging` logs for the payloads."""
+    logging_ = KVConnectorLogging(h.vllm_config.kv_transfer_config)
+    lines = []
+    for data in payloads:
+        logging_.observe(data)
+    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    (line,) = lines
+    return line
+
+
+def vllm_prometheus(h, payloads):
+    """vLLM's `KVConnectorProm` fed the payloads, on its own registry."""
+    registry = CollectorRegistry()
+
+    class Prom(KVConnectorProm):
+        _gauge_cls = registry_bound(Gauge, registry)
+        _counter_cls = registry_bound(Counter, registry)
+        _histogram_cls = registry_bound(Histogram, registry)
+
+    prom = Prom(h.vllm_config, ["model_name", "engine"], {0: ["tiny", "0"]})
+    for data in payloads:
+        prom.observe(data, 0)
+    return registry
+
+
+def test_stats_flow_through_the_real_scheduler_and_vllm_loggers(
+    extra, harnesses, caplog
+):
+    a = Harness(CONNECTOR, extra_config=extra, num_blocks=40)
+    harnesses.append(a)
+    a.add_request("a", prompt(5, 64), max_tokens=2)
+    run(a)
+    b = Harness(CONNECTOR, extra_config=extra, num_blocks=40, log_stats=True)
+    harnesses.append(b)
+    for connector in (b.scheduler_connector, b.worker_connector):
+        connector._client.stats.snapshot(reset=True)  # a's calls
+    payloads = capture_outputs(b)
+    b.add_request("b", [*prompt(5, 64), 9], max_tokens=6)
+    b.add_request("c", prompt(6, 40), max_tokens=6)
+    b.step()
+    assert side(b).registry.fire("nobody", Event.FINISH) is False
+    run(b)
+    assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 2}
+
+    total = LifecycleConnectorStats()
+    for data in payloads:
+        total.aggregate(b.scheduler_connector.build_kv_connector_stats(data))
+    for connector in (b.scheduler_connector, b.worker_connector):
+        leftover = connector.get_kv_connector_stats()
+        if leftover is not None:
+            total.aggregate(leftover)
+    assert total.data["transitions"] == counts_of(side(b).machine)
+    worker = b.worker_connector.worker_side.machine
+    assert total.data["worker_transitions"] == counts_of(worker)
+    assert total.data["worker_transitions"]["LOADING/load_done"] == 1
+    assert total.data["illegal"] == {"unknown/finish": 1}
+    store = total.data["store"]
+    block_bytes = b.worker_connector.worker_side.layout.block_bytes
+    assert store["get"]["keys"] == 4  # the 64-token prefix
+    assert store["get"]["bytes"] == 4 * block_bytes
+    assert store["exists"]["ops"] >= 2
+    assert store["put"]["keys"] >= 2  # c's full prompt blocks
+    assert len(store["get"]["latencies_s"]) == store["get"]["ops"]
+
+    # vLLM's interval logger accepts the payloads.
+    line = vllm_log_line(b, payloads)
+    transitions = sum(sum(d["transitions"].values()) for d in payloads)
+    assert f"Lifecycle transitions={transitions}," in line
+    assert "Illegal unknown/finish=1" in line
+    assert "Store get ops=1" in line
+
+    # vLLM's Prometheus hook registers and records them.
+    registry = vllm_prometheus(b, payloads)
+    engine = {"model_name": "tiny", "engine": "0"}
+    value = registry.get_sample_value
+    seen = LifecycleConnectorStats()
+    for data in payloads:
+        seen.aggregate(LifecycleConnectorStats(data=data))
+    for pair, n in seen.data["transitions"].items():
+        state, event = pair.split("/")
+        labels = {**engine, "half": "scheduler", "state": state}
+        labels["event"] = event
+        assert value(MetricName.TRANSITIONS, labels) == n
+    get = {**engine, "operation": "get"}
+    assert (
+        value(MetricName.STORE_KEYS, get) == seen.data["store"]["get"]["keys"]
+    )
+    assert value(f"{MetricName.STORE_LATENCY}_count", get) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -1,0 +1,119 @@
+"""The connector's lifecycle trace, inside vLLM 0.33's real scheduler.
+
+A preempt-then-abort scenario runs with ``lifecycle_trace`` set; replaying
+the file must give the scheduler half's own counts, edge for edge.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from lifecycle import Event, State
+from lifecycle.trace import ILLEGAL, replay, replay_file, summarize
+from tests.test_connector_vllm import CONNECTOR, prompt, run, side
+from tests.vllm_harness import Harness
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
+
+
+@pytest.fixture
+def extra(mooncake_master, unique, tmp_path):
+    return {
+        "master_server_address": mooncake_master.rpc_address,
+        "metadata_server": mooncake_master.metadata_server,
+        "protocol": "tcp",
+        "global_segment_size": "64MiB",
+        "local_buffer_size": "16MiB",
+        "namespace": unique,
+        "lifecycle_trace": str(tmp_path / "trace.jsonl"),
+    }
+
+
+def preempt_then_abort(extra):
+    """tests.test_connector_vllm's scenario; returns the closed harness."""
+    h = Harness(CONNECTOR, extra_config=extra, num_blocks=12)
+    try:
+        for i in range(4):
+            h.add_request(f"r{i}", prompt(i, 40), max_tokens=30)
+        victim = None
+        for _ in range(200):
+            report = h.step()
+            if report.preempted:
+                victim = min(report.preempted)
+                break
+        assert victim is not None
+        h.abort(victim)
+        run(h)
+        assert h.finished_by_status()["FINISHED_ABORTED"] == 1
+    finally:
+        h.close()
+    return h, victim
+
+
+def test_replayed_trace_equals_the_scheduler_machine(extra, tmp_path):
+    h, victim = preempt_then_abort(extra)
+    machine = side(h).machine
+    assert h.scheduler_connector.trace.closed
+    result = replay_file(tmp_path / "trace.jsonl")
+    assert result.divergences == []
+    assert result.dropped == 0
+    assert result.machine.transition_counts() == machine.transition_counts()
+    assert result.machine.illegal_counts == machine.illegal_counts
+    assert result.machine.stale_counts == machine.stale_counts
+    assert summarize(result.machine) == summarize(machine)
+    counts = result.machine.transition_counts()
+    assert sum(n for r, n in counts.items() if r.event is Event.PREEMPT) >= 1
+    assert set(result.requests) == {f"r{i}" for i in range(4)}
+    path = result.requests[victim].path()
+    assert "-preempt-> PREEMPTED -reset-> RESET" in path
+    assert path.endswith("-abort-> ABORTED")
+
+
+def test_planted_illegal_line_in_a_real_trace(extra, tmp_path):
+    h, victim = preempt_then_abort(extra)
+    lines = (tmp_path / "trace.jsonl").read_text().splitlines()
+    at = next(
+        i
+        for i, x in enumerate(lines)
+        if json.loads(x).get("req_id") == victim
+        and json.loads(x)["outcome"] == "RESET"
+    )
+    lines.insert(
+        at + 1,
+        json.dumps(
+            {
+                "time": 0.0,
+                "req_id": victim,
+                "epoch": json.loads(lines[at])["epoch"],
+                "state": "RESET",
+                "event": "save_done",
+                "outcome": ILLEGAL,
+            }
+        ),
+    )
+    result = replay(lines)
+    first = result.requests[victim].first_illegal
+    assert first is not None
+    assert first.line == at + 2
+    assert (first.state, first.event) == (State.RESET, Event.SAVE_DONE)
+    machine = side(h).machine
+    assert result.machine.transition_counts() == machine.transition_counts()
+    assert result.machine.illegal_total == machine.illegal_total + 1
+
+
+def test_the_bound_holds_in_the_connector(extra, tmp_path):
+    extra["lifecycle_trace_max_events"] = 25
+    h, _ = preempt_then_abort(extra)
+    writer = h.scheduler_connector.trace
+    machine = side(h).machine
+    total = sum(machine.transition_counts().values())
+    total += machine.illegal_total + sum(machine.stale_counts.values())
+    lines = (tmp_path / "trace.jsonl").read_text().splitlines()
+    events = [x for x in lines if '"meta"' not in x]
+    assert len(events) == 25
+    assert writer.dropped == total - 25 > 0
+    assert replay(lines).dropped == writer.dropped

@@ -1,0 +1,160 @@
+"""Helpers for driving `connector.worker.WorkerSide` as a model runner does.
+
+Shared by the worker lifecycle tests and the CUDA path tests.  Nothing here
+fakes the store: `Gate` wraps the real client and only delays calls.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from connector.keys import KeyScheme, Layout
+from connector.metadata import TransferJob
+from connector.store import Regions
+from connector.worker import WorkerSide
+
+
+class Gate:
+    """The real store, with puts and/or gets held until `release()`."""
+
+    def __init__(self, store, *, puts=True, gets=True):
+        self.store = store
+        self.held = {"put": puts, "get": gets}
+        self.entered = threading.Event()
+        self._open = threading.Event()
+
+    def release(self):
+        self._open.set()
+
+    def _hold(self, op):
+        if self.held[op]:
+            self.entered.set()
+            self._open.wait(30)
+
+    def put(self, keys, regions):
+        self._hold("put")
+        return self.store.put(keys, regions)
+
+    def get(self, keys, regions):
+        self._hold("get")
+        return self.store.get(keys, regions)
+
+
+class JobMaker:
+    """Builds transfer jobs whose hashes are unique to one test."""
+
+    def __init__(self, unique):
+        self.unique = unique
+
+    def __call__(  # noqa: PLR0917
+        self, job_id, kind, req_id, epoch, blocks, hashes, *, pinned=True
+    ):
+        return TransferJob(
+            job_id=job_id,
+            kind=kind,
+            req_id=req_id,
+            epoch=epoch,
+            block_ids=tuple(blocks),
+            block_hashes=tuple(f"{self.unique}/{h}".encode() for h in hashes),
+            pinned=pinned,
+        )
+
+
+class Workers:
+    """Shuts down workers and unregisters their memory at teardown."""
+
+    def __init__(self, client):
+        self.client = client
+        self.made = []
+
+    def add(self, worker):
+        self.made.append(worker)
+        return worker
+
+    def close(self):
+        for w in self.made:
+            w.shutdown(timeout=30)
+            for ptr in w.registered:
+                self.client.unregister(ptr)
+
+
+def block_parts(kv, b, num_blocks):
+    """Every layer's part of block `b` (either KV layout)."""
+    return [t[b] if t.shape[0] == num_blocks else t[:, b] for t in kv.values()]
+
+
+def assert_same_blocks(kv_a, a_ids, kv_b, b_ids, num_blocks):
+    for a, b in zip(a_ids, b_ids, strict=True):
+        parts = zip(
+            block_parts(kv_a, a, num_blocks),
+            block_parts(kv_b, b, num_blocks),
+            strict=True,
+        )
+        for x, y in parts:
+            assert torch.equal(x, y), f"block {a} != block {b}"
+
+
+def make_worker(
+    client, unique, kv, num_blocks, tokens, *, store=None, staging_blocks=None
+):
+    """A worker over `kv` whose keys live in the test's own namespace."""
+    probe = next(iter(kv.values()))
+    block_bytes = sum(
+        t.numel() // num_blocks * t.element_size() for t in kv.values()
+    )
+    scheme = KeyScheme(
+        namespace=unique,
+        model="m",
+        tp_rank=0,
+        tp_size=1,
+        layout=Layout(
+            str(probe.dtype).removeprefix("torch."),
+            block_tokens=tokens,
+            block_bytes=block_bytes,
+            detail=f"{tuple(probe.shape)}",
+        ),
+    )
+    return WorkerSide.for_kv_caches(
+        store or client,
+        scheme,
+        kv,
+        num_blocks,
+        Regions,
+        register=client.register,
+        staging_blocks=staging_blocks,
+    )
+
+
+def step(w, meta):
+    """One step's worker hooks, in the model runner's order."""
+    w.handle_preemptions(meta)
+    w.start_load_kv(meta)
+    w.wait_for_save(meta)
+
+
+def _poll(w, recving, results, errors):
+    _, done = w.get_finished()
+    if done:
+        recving.append(done)
+    errors |= w.get_block_ids_with_load_errors()
+    report = w.build_report()
+    if report:
+        results.extend(report.results)
+
+
+def settle(w, count, timeout=30.0):
+    """Poll like the runner until `count` job results came back.
+
+    Returns (receive completions per poll, job results, load errors).
+    """
+    recving, results, errors = [], [], set()
+    end = time.monotonic() + timeout
+    while len(results) < count and time.monotonic() < end:
+        _poll(w, recving, results, errors)
+        time.sleep(0.005)
+    for _ in range(3):  # nothing may be reported twice
+        _poll(w, recving, results, errors)
+    return recving, results, errors

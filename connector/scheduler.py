@@ -128,6 +128,7 @@ class SchedulerSide:
             raise ValueError(msg)
         self.block_size = block_size
         self.role = role
+        self._saves = role.saves
         self.world_size = world_size
         self.machine = machine or LifecycleMachine()
         self.registry: Registry[RequestTracker] = Registry(
@@ -218,6 +219,7 @@ class SchedulerSide:
             self._maybe_save(tracker, done, jobs)
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
+        bs = self.block_size
         for i, req_id in enumerate(cached.req_ids):
             found = self.registry.get(req_id)
             if found is None:
@@ -230,6 +232,8 @@ class SchedulerSide:
                 tracker.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 tracker.block_ids.extend(new_ids[0])
+            if tracker.num_saved_tokens + bs > tracker.num_prompt_tokens:
+                continue  # prompt saved: a decode step (the hot path)
             done = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._maybe_save(tracker, done, jobs)
         return ConnectorMeta(
@@ -356,7 +360,7 @@ class SchedulerSide:
     def _maybe_save(
         self, tracker: RequestTracker, computed: int, jobs: list[TransferJob]
     ) -> None:
-        if not self.role.saves or tracker.state is not State.SAVING:
+        if not self._saves or tracker.state is not State.SAVING:
             return
         bs = self.block_size
         last = (

@@ -169,10 +169,9 @@ class ReferenceConnector(KVConnectorBase_V1):
         self._pending_loads = []
         if not self._saves:
             return meta
-        block_state = scheduler_output.kv_connector_block_state
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
-            if request is None or block_state is None:
+            if request is None:
                 continue
             computed = request.num_computed_tokens + num_new
             full = min(computed, request.num_prompt_tokens) // self._block_size
@@ -180,8 +179,7 @@ class ReferenceConnector(KVConnectorBase_V1):
             if full <= start:
                 continue
             self._num_saved_blocks[req_id] = full
-            tables = block_state.get_block_ids(req_id)
-            block_ids: list[int] = tables[0] if tables else []
+            block_ids = self._block_table(scheduler_output, req_id)
             todo = [
                 (block_ids[i], bytes(request.block_hashes[i]))
                 for i in range(start, full)
@@ -191,6 +189,14 @@ class ReferenceConnector(KVConnectorBase_V1):
                 ids, hashes = zip(*todo, strict=True)
                 meta.saves.append(BlockTransfer(req_id, ids, hashes))
         return meta
+
+    def _block_table(
+        self, scheduler_output: SchedulerOutput, req_id: str
+    ) -> list[int]:
+        """The request's block table, as vLLM's scheduler holds it."""
+        block_state = scheduler_output.kv_connector_block_state
+        tables = block_state.get_block_ids(req_id) if block_state else None
+        return list(tables[0]) if tables else []
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -291,3 +297,517 @@ class NeverSendsConnector(ReferenceConnector):
     ) -> tuple[bool, dict[str, Any] | None]:
         super().request_finished(request, block_ids)
         return bool(block_ids), None
+
+
+# --------------------------------------------------------- naive variants
+#
+# Each class below has exactly one ordering bug of
+# `shared/reference/vllm-kv-connector.md` section 4, in the shape the
+# original connector had it; tests/test_ordering_regressions.py shows that
+# vLLM's real scheduler (or a racing worker) trips it.
+
+
+class StoreError(ConnectionError):
+    """A transient store failure (the stand-in for a Mooncake RPC error)."""
+
+
+@dataclasses.dataclass
+class NaiveMetadata(ReferenceMetadata):
+    """`ReferenceMetadata` plus the ids whose send completion is owed."""
+
+    sends: list[str] = dataclasses.field(default_factory=list)
+    preempted: list[str] = dataclasses.field(default_factory=list)
+
+
+class PopsTrackerConnector(ReferenceConnector):
+    """vLLM #43281 / vllm-ascend#3721 / #56780: `rf` asserts a tracker.
+
+    The tracker is made at the first lookup and popped when the request is
+    preempted, so `request_finished` for a request aborted before it was
+    ever looked up, or while it is preempted, fails its assert.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._trackers: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        self._trackers.setdefault(request.request_id, num_computed_tokens)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> ReferenceMetadata:
+        for req_id in scheduler_output.preempted_req_ids or ():
+            self._trackers.pop(req_id, None)
+        return super().build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        tracker = self._trackers.pop(request.request_id, None)
+        assert tracker is not None, f"no tracker for {request.request_id}"
+        return super().request_finished(request, block_ids)
+
+
+class AbortNeedsWorkerEngineConnector(ReferenceConnector):
+    """LMCache#3337 / #3499: the abort path asserts a worker-only engine."""
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if request.status.name == "FINISHED_ABORTED":
+            assert self._kv_caches, "engine exists only on workers"
+        return super().request_finished(request, block_ids)
+
+
+class CoQueuesLoadAndSaveConnector(ReferenceConnector):
+    """vLLM #43371 / #46240: a loaded request also queues a save of it.
+
+    `request_finished` delays freeing while that save is pending, and the
+    worker reports the request in both `finished_recving` and
+    `finished_sending` in the same step.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._co_queued: set[str] = set()
+
+    def update_state_after_alloc(
+        self,
+        request: Request,
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+    ) -> None:
+        if num_external_tokens:
+            self._co_queued.add(request.request_id)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        super().request_finished(request, block_ids)
+        pending = request.request_id in self._co_queued
+        self._co_queued.discard(request.request_id)
+        return pending, None
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        _, recving = super().get_finished(finished_req_ids)
+        return (set(recving) if recving else None), recving
+
+
+class DelayFreeConnector(ReferenceConnector):
+    """Finishing requests wait for a flush of their KV to the store.
+
+    `request_finished` returns delay-free when it owes a send; the worker
+    runs the flush in the next step and reports the id as sent one step
+    later (an async store thread).  Correct on its own; the variants below
+    each break one step of this protocol.
+    """
+
+    lag = 1
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sends: list[str] = []
+        self._in_flight: list[list[str]] = []
+
+    # scheduler side
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> NaiveMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        sends, self._sends = self._sends, []
+        return NaiveMetadata(loads=meta.loads, saves=meta.saves, sends=sends)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        super().request_finished(request, block_ids)
+        if not block_ids:
+            return False, None
+        self._sends.append(request.request_id)
+        return self._delay, None
+
+    _delay = True
+
+    # worker side
+    def _flush(self, req_id: str) -> bool:
+        """Flush a finished request's KV; True when it is done."""
+        del req_id
+        return True
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        _, recving = super().get_finished(finished_req_ids)
+        meta = self._get_connector_metadata()
+        sends = meta.sends if isinstance(meta, NaiveMetadata) else []
+        self._in_flight.append(list(sends))
+        sent: set[str] = set()
+        while len(self._in_flight) > self.lag:
+            for req_id in self._in_flight.pop(0):
+                try:
+                    if self._flush(req_id):
+                        sent.add(req_id)
+                except StoreError:
+                    pass  # logged and forgotten, as the bug did
+        return sent or None, recving
+
+
+class LeaksOnStoreErrorConnector(DelayFreeConnector):
+    """vLLM #43742 / #40344: a store error skips the pending-count release.
+
+    The flush raises between counter++ and counter--; the request is never
+    reported sent, so its delay-freed blocks are never returned.
+    """
+
+    def _flush(self, req_id: str) -> bool:
+        msg = f"batch_is_exist failed for {req_id}"
+        raise StoreError(msg)
+
+
+class ReportsFreedRequestsConnector(DelayFreeConnector):
+    """vLLM #43226 / LMCache#4185 / vllm-ascend#6570: completion after free.
+
+    `request_finished` lets vLLM free the request at once, but the async
+    flush still reports it sent a step later, when vLLM no longer has it.
+    """
+
+    _delay = False
+
+
+class SendsBeforeFinishConnector(ReferenceConnector):
+    """vLLM #26929: "finished sending" for a request that has not finished.
+
+    Each save is reported sent in the next step, whether or not the
+    request finished, and `request_finished` delays freeing.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._saved: set[str] = set()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        super().request_finished(request, block_ids)
+        return bool(block_ids), None
+
+    def wait_for_save(self) -> None:
+        self._saved |= {s.req_id for s in self._meta().saves}
+        super().wait_for_save()
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        _, recving = super().get_finished(finished_req_ids)
+        sent, self._saved = self._saved, set()
+        return sent or None, recving
+
+
+class SpinsOnPushWorkConnector(ReferenceConnector):
+    """vllm-ascend#16185: pending send events with no request map.
+
+    Every save registers an event keyed by event id; events complete only
+    when their request is scheduled again, so those of a request that
+    finishes or is preempted right after a save never do, and
+    `has_pending_push_work()` stays True: the engine spins forever.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._events: dict[int, str] = {}
+        self._next_event = 0
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> ReferenceMetadata:
+        scheduled = set(scheduler_output.num_scheduled_tokens)
+        self._events = {
+            e: r for e, r in self._events.items() if r not in scheduled
+        }
+        meta = super().build_connector_meta(scheduler_output)
+        for save in meta.saves:
+            self._events[self._next_event] = save.req_id
+            self._next_event += 1
+        return meta
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._events)
+
+
+class AppendsOnResumeConnector(ReferenceConnector):
+    """vLLM #46595 / LMCache#2069: a resume appends to the block table.
+
+    It keeps its own block tables and extends them for every scheduled
+    cached request, ignoring `resumed_req_ids`; after a preemption, saves
+    read the old, freed blocks.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tables: dict[str, list[int]] = {}
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> ReferenceMetadata:
+        for new in scheduler_output.scheduled_new_reqs:
+            self._tables[new.req_id] = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_ids in zip(
+            cached.req_ids, cached.new_block_ids, strict=True
+        ):
+            if new_ids:
+                self._tables.setdefault(req_id, []).extend(new_ids[0])
+        return super().build_connector_meta(scheduler_output)
+
+    def _block_table(
+        self, scheduler_output: SchedulerOutput, req_id: str
+    ) -> list[int]:
+        return self._tables.get(req_id, [])
+
+
+class ZeroExternalDropsBlocksConnector(ReferenceConnector):
+    """vLLM #54643: `num_external_tokens == 0` records an empty table.
+
+    Saves index the table recorded at allocation, which is empty for a
+    request that loaded nothing: `IndexError`.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._alloc_tables: dict[str, list[int]] = {}
+
+    def update_state_after_alloc(
+        self,
+        request: Request,
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+    ) -> None:
+        self._alloc_tables[request.request_id] = (
+            list(blocks.get_block_ids()[0]) if num_external_tokens else []
+        )
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _block_table(
+        self, scheduler_output: SchedulerOutput, req_id: str
+    ) -> list[int]:
+        return self._alloc_tables.get(req_id, [])
+
+
+class UnalignedFullHitConnector(ReferenceConnector):
+    """vLLM #43494: a full-prompt hit is cut to `num_tokens - 1` tokens.
+
+    The load is block-based, so the tail block vLLM now counts as computed
+    is never loaded.
+    """
+
+    def _hit_tokens(self, request: Request) -> int:
+        hits = 0
+        for block_hash in request.block_hashes:
+            if bytes(block_hash) not in self._store:
+                break
+            hits += 1
+        tokens = hits * self._block_size
+        if tokens >= request.num_tokens:
+            return int(request.num_tokens) - 1
+        return tokens
+
+
+class UnpinnedAsyncSaveConnector(ReferenceConnector):
+    """vLLM #52360 / #29870 / LMCache#4955: async saves read freed blocks.
+
+    A save is read from the KV cache by a store thread `lag` steps later,
+    without holding the blocks; a preemption in between lets another
+    request overwrite them, and its KV is stored under this prefix.
+    """
+
+    lag = 2
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._queued: list[list[BlockTransfer]] = []
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Nothing now: the store thread reads the blocks later."""
+
+    def wait_for_save(self) -> None:
+        self._queued.append(list(self._meta().saves))
+        while len(self._queued) > self.lag:
+            for save in self._queued.pop(0):
+                for block_id, block_hash in zip(
+                    save.block_ids, save.block_hashes, strict=True
+                ):
+                    self._store.setdefault(
+                        block_hash,
+                        {
+                            name: kv[block_id].clone()
+                            for name, kv in self._kv_caches.items()
+                        },
+                    )
+
+
+class DropsFailedLoadConnector(ReferenceConnector):
+    """vLLM #50984 / local-inference-lab#191: a failed load never finishes.
+
+    Failed blocks are reported, but the request is not reported received,
+    so it waits in `WAITING_FOR_REMOTE_KVS` forever.
+    """
+
+    def start_load_kv(
+        self, forward_context: ForwardContext, **kwargs: Any
+    ) -> None:
+        failed = {
+            load.req_id
+            for load in self._meta().loads
+            if any(h not in self._store for h in load.block_hashes)
+        }
+        super().start_load_kv(forward_context, **kwargs)
+        self._recved -= failed
+
+
+class NoRetrievalAfterPreemptionConnector(ReferenceConnector):
+    """LMCache#1969: a preempted request is not looked up again.
+
+    The first answer is remembered per request id, so a resumed request
+    recomputes the prefix the store holds.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._admitted: set[str] = set()
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        if request.request_id in self._admitted:
+            return 0, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self,
+        request: Request,
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+    ) -> None:
+        self._admitted.add(request.request_id)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+
+class CountsSavesByRequestConnector(ReferenceConnector):
+    """vLLM #51637: in-flight saves are counted per request id.
+
+    The worker copies a save's blocks at once but completes it later, on
+    its store thread (`hold` keeps those of some requests back);
+    preemption drops the request's counter.  A save from before the
+    preemption that completes after the resumed request queued a new one
+    decrements the new lifecycle's counter, which never returns to zero:
+    the delay-freed blocks are never reported sent.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._saving: set[str] = set()
+        # Worker side.
+        self.hold: set[str] = set()
+        self.counters: dict[str, int] = {}
+        self._jobs: list[str] = []
+        self._finished: set[str] = set()
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> NaiveMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        self._saving |= {s.req_id for s in meta.saves}
+        preempted = sorted(scheduler_output.preempted_req_ids or ())
+        return NaiveMetadata(
+            loads=meta.loads, saves=meta.saves, preempted=preempted
+        )
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        super().request_finished(request, block_ids)
+        saving = request.request_id in self._saving
+        self._saving.discard(request.request_id)
+        return saving and bool(block_ids), None
+
+    def wait_for_save(self) -> None:
+        meta = self._meta()
+        if isinstance(meta, NaiveMetadata):
+            for req_id in meta.preempted:
+                self.counters.pop(req_id, None)
+        for save in meta.saves:
+            self.counters[save.req_id] = self.counters.get(save.req_id, 0) + 1
+            self._jobs.append(save.req_id)
+        super().wait_for_save()
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        _, recving = super().get_finished(finished_req_ids)
+        for req_id in self._jobs:
+            if req_id in self.counters and req_id not in self.hold:
+                self.counters[req_id] -= 1
+        self._jobs = [r for r in self._jobs if r in self.hold]
+        self._finished |= finished_req_ids
+        sent = {r for r in self._finished if self.counters.get(r, 0) == 0}
+        self._finished -= sent
+        for req_id in sent:
+            self.counters.pop(req_id, None)
+        return sent or None, recving
+
+
+class NoopConnector(KVConnectorBase_V1):
+    """Does nothing: the cost of vLLM's connector plumbing alone."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """No external hits."""
+        return 0, False
+
+    def update_state_after_alloc(
+        self,
+        request: Request,
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+    ) -> None:
+        """Nothing to remember."""
+
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> KVConnectorMetadata:
+        """An empty step."""
+        return ReferenceMetadata()
+
+    def start_load_kv(
+        self, forward_context: ForwardContext, **kwargs: Any
+    ) -> None:
+        """Nothing to load."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Nothing to save."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to wait for."""

@@ -179,6 +179,16 @@ class StepReport:
     failures: list[str]
 
 
+@dataclasses.dataclass(frozen=True)
+class FinishedRequest:
+    """A finished request whose state `Harness.forget_finished` dropped."""
+
+    req_id: str
+    status: str
+    request: Request
+    external_hit_tokens: int
+
+
 @dataclasses.dataclass
 class _LayerStub:
     """Stands in for an attention layer in `ForwardContext`."""
@@ -529,6 +539,30 @@ class Harness:
     def is_idle(self) -> bool:
         """Return whether the engine core would stop stepping."""
         return not self._batch_queue and not self.scheduler.has_requests()
+
+    def forget_finished(self) -> list[FinishedRequest]:
+        """Drop what the harness keeps of finished requests; return them.
+
+        For long runs, whose memory would otherwise grow with every request
+        seen.  A request vLLM still holds (a finished request whose load is
+        draining) is kept until vLLM lets it go.
+        """
+        done = [
+            FinishedRequest(
+                req_id,
+                status,
+                self.requests[req_id],
+                self.external_hits.pop(req_id, 0),
+            )
+            for req_id, status in self.finished_status.items()
+            if req_id not in self.scheduler.requests
+        ]
+        for finished in done:
+            del self.finished_status[finished.req_id]
+            del self.requests[finished.req_id]
+            del self._tokens[finished.req_id]
+            del self._hashes[finished.req_id]
+        return done
 
     # ------------------------------------------------------------- requests
 

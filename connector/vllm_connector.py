@@ -188,16 +188,22 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         self._registered: list[int] = []
         self._keys = scheme(_tp_rank() if tp_size > 1 else 0)
         self._num_blocks = kv_cache_config.num_blocks
-        if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(
-                block_size=vllm_config.cache_config.block_size,
-                role=Role(transfer.kv_role),
-                lookup=_StoreLookup(
-                    self._client, tuple(scheme(r) for r in range(tp_size))
-                ),
-                world_size=parallel.world_size,
-            )
-        self._trace = _open_trace(trace, self._scheduler)
+        try:
+            if role == KVConnectorRole.SCHEDULER:
+                self._scheduler = SchedulerSide(
+                    block_size=vllm_config.cache_config.block_size,
+                    role=Role(transfer.kv_role),
+                    lookup=_StoreLookup(
+                        self._client, tuple(scheme(r) for r in range(tp_size))
+                    ),
+                    world_size=parallel.world_size,
+                )
+            self._trace = _open_trace(trace, self._scheduler)
+        except BaseException:
+            # A construction error must not keep the client referenced.
+            clients.release(self._client)
+            self._client = None
+            raise
         self._stats = StatsSource(
             machine=self._scheduler.machine if self._scheduler else None,
             store=self._client.stats,

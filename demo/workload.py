@@ -42,6 +42,7 @@ from connector.scheduler import RequestTracker, SchedulerSide
 from connector.store import Op, StoreClient
 from connector.worker import WorkerSide
 from lifecycle import Event, Row, State, Tracker
+from lifecycle.trace import pair_key
 from tests.vllm_harness import FinishedRequest, Harness, HarnessError, KVRole
 
 if TYPE_CHECKING:
@@ -390,14 +391,13 @@ def single_threaded_torch() -> Iterator[None]:
 
 
 def edge_name(row: Row) -> str:
-    """`SOURCE -event-> DEST`."""
-    return f"{row.source.name} -{row.event.value}-> {row.dest.name}"
+    """`SOURCE --event--> DEST`, as `python -m lifecycle replay` keys it."""
+    return str(row)
 
 
 def illegal_name(key: tuple[State | None, Event]) -> str:
-    """`STATE/event`, or `unknown-id/event` for an untracked request."""
-    state, event = key
-    return f"{state.name if state is not None else 'unknown-id'}/{event.value}"
+    """`STATE/event` (`unknown/event` for an untracked request)."""
+    return pair_key(*key)
 
 
 # ------------------------------------------------------------------ requests

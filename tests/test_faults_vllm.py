@@ -121,17 +121,27 @@ def store_prefix(make, seed, length):
     return helpers.store_prefix(make, seed, length, drive=drive)
 
 
+def faulted_consumer(make, seed, fault):
+    """Store `prompt(seed, 64)`, then queue three requests extending it on
+    a new instance that calls `fault()` right after its first store hit.
+
+    Returns the instance and `fault_after_first_hit`'s record.
+    """
+    store_prefix(make, seed, 64)
+    b = make(num_blocks=40)
+    fired = fault_after_first_hit(b, fault)
+    for i in range(3):
+        b.add_request(f"b{i}", [*prompt(seed, 64), i], max_tokens=6)
+    return b, fired
+
+
 class TestMasterFaults:
     def test_killed_mid_run_then_restarted(self, faulty):
         """SIGKILL between lookup and load: recompute, one bounded stall;
         after a restart saves land again.
         """
         master, make = faulty
-        store_prefix(make, 5, 64)
-        b = make(num_blocks=40)
-        fired = fault_after_first_hit(b, master.kill)
-        for i in range(3):
-            b.add_request(f"b{i}", [*prompt(5, 64), i], max_tokens=6)
+        b, fired = faulted_consumer(make, 5, master.kill)
         durations = drive(b)
         assert fired
         assert loads_failed(b) >= 1
@@ -159,11 +169,7 @@ class TestMasterFaults:
         timeout, failed loads recomputed; after SIGCONT loads work again.
         """
         master, make = faulty
-        store_prefix(make, 6, 64)
-        b = make(num_blocks=40)
-        fired = fault_after_first_hit(b, master.pause)
-        for i in range(3):
-            b.add_request(f"b{i}", [*prompt(6, 64), i], max_tokens=6)
+        b, fired = faulted_consumer(make, 6, master.pause)
         try:
             durations = drive(b, until=lambda: loads_failed(b) >= 1)
         finally:

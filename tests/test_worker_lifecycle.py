@@ -29,6 +29,7 @@ from tests.worker_helpers import (
     make_worker,
     settle,
     step,
+    step_job,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -295,68 +296,15 @@ class TestStaging:
         staged = make(kv_staged, staging_blocks=2)
         assert isinstance(staged.transfer, Staged)
         staged.save_kv_layer("l0")  # l1 waits on the step-wide mark
-        step(
-            staged,
-            ConnectorMeta(
-                step=1,
-                jobs=(
-                    job(
-                        1,
-                        SAVE,
-                        "s",
-                        0,
-                        [0, 1, 2, 3, 4],
-                        [f"s{i}" for i in range(5)],
-                    ),
-                ),
-            ),
-        )
-        step(
-            direct,
-            ConnectorMeta(
-                step=1,
-                jobs=(
-                    job(
-                        1, SAVE, "d", 0, [0, 1, 2], [f"d{i}" for i in range(3)]
-                    ),
-                ),
-            ),
-        )
+        s_keys = [f"s{i}" for i in range(5)]
+        d_keys = [f"d{i}" for i in range(3)]
+        step_job(staged, 1, job(1, SAVE, "s", 0, range(5), s_keys))
+        step_job(direct, 1, job(1, SAVE, "d", 0, range(3), d_keys))
         assert [JobResult(1, ok=1)] == settle(staged, 1)[1]
         assert [JobResult(1, ok=1)] == settle(direct, 1)[1]
         # Staged saves, zero-copy loads; zero-copy saves, staged loads.
-        step(
-            direct,
-            ConnectorMeta(
-                step=2,
-                jobs=(
-                    job(
-                        2,
-                        LOAD,
-                        "d2",
-                        0,
-                        [8, 9, 10, 11, 12],
-                        [f"s{i}" for i in range(5)],
-                    ),
-                ),
-            ),
-        )
-        step(
-            staged,
-            ConnectorMeta(
-                step=2,
-                jobs=(
-                    job(
-                        2,
-                        LOAD,
-                        "s2",
-                        0,
-                        [13, 14, 15],
-                        [f"d{i}" for i in range(3)],
-                    ),
-                ),
-            ),
-        )
+        step_job(direct, 2, job(2, LOAD, "d2", 0, range(8, 13), s_keys))
+        step_job(staged, 2, job(2, LOAD, "s2", 0, range(13, 16), d_keys))
         assert [{"d2"}] == settle(direct, 1)[0]
         assert [{"s2"}] == settle(staged, 1)[0]
         assert_blocks_equal(kv_staged, range(5), kv_direct, range(8, 13))

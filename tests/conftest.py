@@ -25,6 +25,7 @@ from connector.config import MiB, StoreConfig
 from connector.errors import MasterBinaryNotFoundError
 from connector.master import EmbeddedMaster, find_binary
 from connector.store import Regions, StoreClient
+from tests.connector_helpers import store_extra
 
 _MASTERS: list[EmbeddedMaster] = []
 
@@ -125,6 +126,33 @@ def store_client(store_config):
 def unique() -> str:
     """A fresh token for namespaces and hashes, so tests never collide."""
     return uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def extra(mooncake_master, unique) -> dict[str, str]:
+    """The connector's extra config for the session master, own namespace."""
+    return store_extra(mooncake_master, unique)
+
+
+@pytest.fixture
+def harnesses():
+    """A list to append `Harness`es to; closed in reverse at teardown."""
+    made: list = []
+    yield made
+    for h in reversed(made):
+        h.close()
+
+
+@pytest.fixture
+def workers(store_client):
+    """`tests.worker_helpers.Workers` on the session client: the workers
+    added are shut down and their memory unregistered at teardown.
+    """
+    from tests.worker_helpers import Workers  # noqa: PLC0415
+
+    made = Workers(store_client)
+    yield made
+    made.close()
 
 
 class KVBlocks:

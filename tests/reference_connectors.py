@@ -140,6 +140,7 @@ class ReferenceConnector(KVConnectorBase_V1):
         num_external_tokens: int,
     ) -> None:
         """Queue a load of `num_external_tokens` into the allocated blocks."""
+        self._note_alloc(request, blocks, num_external_tokens)
         self._requests[request.request_id] = request
         if num_external_tokens == 0:
             return
@@ -157,18 +158,43 @@ class ReferenceConnector(KVConnectorBase_V1):
             )
         )
 
+    def _note_alloc(
+        self,
+        request: Request,
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+    ) -> None:
+        """Hook run first by `update_state_after_alloc` (for variants)."""
+
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> ReferenceMetadata:
         """Ship this step's loads, and saves of newly full prompt blocks."""
+        self._note_step(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
         for req_id in scheduler_output.preempted_req_ids or ():
             self._num_saved_blocks.pop(req_id, None)
         meta = ReferenceMetadata(loads=self._pending_loads)
         self._pending_loads = []
-        if not self._saves:
-            return meta
+        if self._saves:
+            self._add_saves(scheduler_output, meta)
+        return self._step_meta(scheduler_output, meta)
+
+    def _note_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Hook run first by `build_connector_meta` (for variants)."""
+
+    def _step_meta(
+        self, scheduler_output: SchedulerOutput, meta: ReferenceMetadata
+    ) -> ReferenceMetadata:
+        """Hook: the metadata `build_connector_meta` ships (for variants)."""
+        del scheduler_output
+        return meta
+
+    def _add_saves(
+        self, scheduler_output: SchedulerOutput, meta: ReferenceMetadata
+    ) -> None:
+        """Append saves of the prompt blocks that become full this step."""
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
             if request is None:
@@ -188,7 +214,6 @@ class ReferenceConnector(KVConnectorBase_V1):
             if todo:
                 ids, hashes = zip(*todo, strict=True)
                 meta.saves.append(BlockTransfer(req_id, ids, hashes))
-        return meta
 
     def _block_table(
         self, scheduler_output: SchedulerOutput, req_id: str
@@ -201,9 +226,17 @@ class ReferenceConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Saves are published in the step that computes them: free now."""
+        """Saves are published in the step that computes them: free now.
+
+        Variants decide otherwise in `_delay_free`.
+        """
         self._forget(request.request_id)
-        return False, None
+        return self._delay_free(request, block_ids), None
+
+    def _delay_free(self, request: Request, block_ids: list[int]) -> bool:
+        """Hook: whether `request_finished` delays freeing the blocks."""
+        del request, block_ids
+        return False
 
     def _forget(self, req_id: str) -> None:
         self._local_hits.pop(req_id, None)
@@ -255,6 +288,10 @@ class ReferenceConnector(KVConnectorBase_V1):
         **kwargs: Any,
     ) -> None:
         """Copy this layer's part of every block saved in this step."""
+        self._stage(layer_name, kv_layer)
+
+    def _stage(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """Copy `kv_layer`'s part of this step's saves for `wait_for_save`."""
         for save in self._meta().saves:
             for block_id, block_hash in zip(
                 save.block_ids, save.block_hashes, strict=True
@@ -272,9 +309,14 @@ class ReferenceConnector(KVConnectorBase_V1):
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
-        """Report async loads as received; nothing is ever sent late."""
+        """Report async loads as received; variants report sends."""
         done, self._recved = self._recved, set()
-        return None, done or None
+        return self._sent(finished_req_ids, done) or None, done or None
+
+    def _sent(self, finished_req_ids: set[str], recving: set[str]) -> set[str]:
+        """Hook: ids `get_finished` reports sent; nothing is ever sent late."""
+        del finished_req_ids, recving
+        return set()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose hash vanished from the store; reported once."""
@@ -292,11 +334,8 @@ class CorruptingConnector(ReferenceConnector):
 class NeverSendsConnector(ReferenceConnector):
     """Keeps every finished request's blocks and never reports them sent."""
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        super().request_finished(request, block_ids)
-        return bool(block_ids), None
+    def _delay_free(self, request: Request, block_ids: list[int]) -> bool:
+        return bool(block_ids)
 
 
 # --------------------------------------------------------- naive variants
@@ -337,30 +376,23 @@ class PopsTrackerConnector(ReferenceConnector):
         self._trackers.setdefault(request.request_id, num_computed_tokens)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def build_connector_meta(
-        self, scheduler_output: SchedulerOutput
-    ) -> ReferenceMetadata:
+    def _note_step(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.preempted_req_ids or ():
             self._trackers.pop(req_id, None)
-        return super().build_connector_meta(scheduler_output)
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def _delay_free(self, request: Request, block_ids: list[int]) -> bool:
         tracker = self._trackers.pop(request.request_id, None)
         assert tracker is not None, f"no tracker for {request.request_id}"
-        return super().request_finished(request, block_ids)
+        return super()._delay_free(request, block_ids)
 
 
 class AbortNeedsWorkerEngineConnector(ReferenceConnector):
     """LMCache#3337 / #3499: the abort path asserts a worker-only engine."""
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def _delay_free(self, request: Request, block_ids: list[int]) -> bool:
         if request.status.name == "FINISHED_ABORTED":
             assert self._kv_caches, "engine exists only on workers"
-        return super().request_finished(request, block_ids)
+        return super()._delay_free(request, block_ids)
 
 
 class CoQueuesLoadAndSaveConnector(ReferenceConnector):
@@ -375,7 +407,7 @@ class CoQueuesLoadAndSaveConnector(ReferenceConnector):
         super().__init__(*args, **kwargs)
         self._co_queued: set[str] = set()
 
-    def update_state_after_alloc(
+    def _note_alloc(
         self,
         request: Request,
         blocks: KVCacheBlocks,
@@ -383,21 +415,14 @@ class CoQueuesLoadAndSaveConnector(ReferenceConnector):
     ) -> None:
         if num_external_tokens:
             self._co_queued.add(request.request_id)
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        super().request_finished(request, block_ids)
+    def _delay_free(self, request: Request, block_ids: list[int]) -> bool:
         pending = request.request_id in self._co_queued
         self._co_queued.discard(request.request_id)
-        return pending, None
+        return pending
 
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
-        _, recving = super().get_finished(finished_req_ids)
-        return (set(recving) if recving else None), recving
+    def _sent(self, finished_req_ids: set[str], recving: set[str]) -> set[str]:
+        return set(recving)
 
 
 class DelayFreeConnector(ReferenceConnector):
@@ -417,21 +442,17 @@ class DelayFreeConnector(ReferenceConnector):
         self._in_flight: list[list[str]] = []
 
     # scheduler side
-    def build_connector_meta(
-        self, scheduler_output: SchedulerOutput
+    def _step_meta(
+        self, scheduler_output: SchedulerOutput, meta: ReferenceMetadata
     ) -> NaiveMetadata:
-        meta = super().build_connector_meta(scheduler_output)
         sends, self._sends = self._sends, []
         return NaiveMetadata(loads=meta.loads, saves=meta.saves, sends=sends)
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        super().request_finished(request, block_ids)
+    def _delay_free(self, request: Request, block_ids: list[int]) -> bool:
         if not block_ids:
-            return False, None
+            return False
         self._sends.append(request.request_id)
-        return self._delay, None
+        return self._delay
 
     _delay = True
 
@@ -441,10 +462,7 @@ class DelayFreeConnector(ReferenceConnector):
         del req_id
         return True
 
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
-        _, recving = super().get_finished(finished_req_ids)
+    def _sent(self, finished_req_ids: set[str], recving: set[str]) -> set[str]:
         meta = self._get_connector_metadata()
         sends = meta.sends if isinstance(meta, NaiveMetadata) else []
         self._in_flight.append(list(sends))
@@ -456,7 +474,7 @@ class DelayFreeConnector(ReferenceConnector):
                         sent.add(req_id)
                 except StoreError:
                     pass  # logged and forgotten, as the bug did
-        return sent or None, recving
+        return sent
 
 
 class LeaksOnStoreErrorConnector(DelayFreeConnector):
@@ -492,22 +510,16 @@ class SendsBeforeFinishConnector(ReferenceConnector):
         super().__init__(*args, **kwargs)
         self._saved: set[str] = set()
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        super().request_finished(request, block_ids)
-        return bool(block_ids), None
+    def _delay_free(self, request: Request, block_ids: list[int]) -> bool:
+        return bool(block_ids)
 
     def wait_for_save(self) -> None:
         self._saved |= {s.req_id for s in self._meta().saves}
         super().wait_for_save()
 
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
-        _, recving = super().get_finished(finished_req_ids)
+    def _sent(self, finished_req_ids: set[str], recving: set[str]) -> set[str]:
         sent, self._saved = self._saved, set()
-        return sent or None, recving
+        return sent
 
 
 class SpinsOnPushWorkConnector(ReferenceConnector):
@@ -524,14 +536,15 @@ class SpinsOnPushWorkConnector(ReferenceConnector):
         self._events: dict[int, str] = {}
         self._next_event = 0
 
-    def build_connector_meta(
-        self, scheduler_output: SchedulerOutput
-    ) -> ReferenceMetadata:
+    def _note_step(self, scheduler_output: SchedulerOutput) -> None:
         scheduled = set(scheduler_output.num_scheduled_tokens)
         self._events = {
             e: r for e, r in self._events.items() if r not in scheduled
         }
-        meta = super().build_connector_meta(scheduler_output)
+
+    def _step_meta(
+        self, scheduler_output: SchedulerOutput, meta: ReferenceMetadata
+    ) -> ReferenceMetadata:
         for save in meta.saves:
             self._events[self._next_event] = save.req_id
             self._next_event += 1
@@ -553,9 +566,7 @@ class AppendsOnResumeConnector(ReferenceConnector):
         super().__init__(*args, **kwargs)
         self._tables: dict[str, list[int]] = {}
 
-    def build_connector_meta(
-        self, scheduler_output: SchedulerOutput
-    ) -> ReferenceMetadata:
+    def _note_step(self, scheduler_output: SchedulerOutput) -> None:
         for new in scheduler_output.scheduled_new_reqs:
             self._tables[new.req_id] = list(new.block_ids[0])
         cached = scheduler_output.scheduled_cached_reqs
@@ -564,7 +575,6 @@ class AppendsOnResumeConnector(ReferenceConnector):
         ):
             if new_ids:
                 self._tables.setdefault(req_id, []).extend(new_ids[0])
-        return super().build_connector_meta(scheduler_output)
 
     def _block_table(
         self, scheduler_output: SchedulerOutput, req_id: str
@@ -583,7 +593,7 @@ class ZeroExternalDropsBlocksConnector(ReferenceConnector):
         super().__init__(*args, **kwargs)
         self._alloc_tables: dict[str, list[int]] = {}
 
-    def update_state_after_alloc(
+    def _note_alloc(
         self,
         request: Request,
         blocks: KVCacheBlocks,
@@ -592,7 +602,6 @@ class ZeroExternalDropsBlocksConnector(ReferenceConnector):
         self._alloc_tables[request.request_id] = (
             list(blocks.get_block_ids()[0]) if num_external_tokens else []
         )
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def _block_table(
         self, scheduler_output: SchedulerOutput, req_id: str
@@ -633,13 +642,7 @@ class UnpinnedAsyncSaveConnector(ReferenceConnector):
         super().__init__(*args, **kwargs)
         self._queued: list[list[BlockTransfer]] = []
 
-    def save_kv_layer(
-        self,
-        layer_name: str,
-        kv_layer: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        **kwargs: Any,
-    ) -> None:
+    def _stage(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """Nothing now: the store thread reads the blocks later."""
 
     def wait_for_save(self) -> None:
@@ -695,14 +698,13 @@ class NoRetrievalAfterPreemptionConnector(ReferenceConnector):
             return 0, False
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(
+    def _note_alloc(
         self,
         request: Request,
         blocks: KVCacheBlocks,
         num_external_tokens: int,
     ) -> None:
         self._admitted.add(request.request_id)
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
 
 
 class CountsSavesByRequestConnector(ReferenceConnector):
@@ -725,23 +727,19 @@ class CountsSavesByRequestConnector(ReferenceConnector):
         self._jobs: list[str] = []
         self._finished: set[str] = set()
 
-    def build_connector_meta(
-        self, scheduler_output: SchedulerOutput
+    def _step_meta(
+        self, scheduler_output: SchedulerOutput, meta: ReferenceMetadata
     ) -> NaiveMetadata:
-        meta = super().build_connector_meta(scheduler_output)
         self._saving |= {s.req_id for s in meta.saves}
         preempted = sorted(scheduler_output.preempted_req_ids or ())
         return NaiveMetadata(
             loads=meta.loads, saves=meta.saves, preempted=preempted
         )
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        super().request_finished(request, block_ids)
+    def _delay_free(self, request: Request, block_ids: list[int]) -> bool:
         saving = request.request_id in self._saving
         self._saving.discard(request.request_id)
-        return saving and bool(block_ids), None
+        return saving and bool(block_ids)
 
     def wait_for_save(self) -> None:
         meta = self._meta()
@@ -753,10 +751,7 @@ class CountsSavesByRequestConnector(ReferenceConnector):
             self._jobs.append(save.req_id)
         super().wait_for_save()
 
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
-        _, recving = super().get_finished(finished_req_ids)
+    def _sent(self, finished_req_ids: set[str], recving: set[str]) -> set[str]:
         for req_id in self._jobs:
             if req_id in self.counters and req_id not in self.hold:
                 self.counters[req_id] -= 1
@@ -766,7 +761,7 @@ class CountsSavesByRequestConnector(ReferenceConnector):
         self._finished -= sent
         for req_id in sent:
             self.counters.pop(req_id, None)
-        return sent or None, recving
+        return sent
 
 
 class NoopConnector(KVConnectorBase_V1):

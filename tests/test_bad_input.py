@@ -29,7 +29,7 @@ from connector import clients
 from connector.config import CONFIG_PATH_ENV, StoreConfig
 from connector.errors import ConfigError, StoreUnavailable
 from connector.vllm_connector import MooncakeLifecycleConnector
-from tests.test_connector_vllm import CONNECTOR
+from tests.connector_helpers import CONNECTOR, store_extra
 from tests.vllm_harness import Harness
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
@@ -62,15 +62,9 @@ BAD_VALUES = {
 @pytest.fixture(scope="module")
 def good(mooncake_master):
     """A valid extra config and a harness holding a real VllmConfig."""
-    extra = {
-        "master_server_address": mooncake_master.rpc_address,
-        "metadata_server": mooncake_master.metadata_server,
-        "protocol": "tcp",
-        "local_hostname": "127.0.0.1",
-        "global_segment_size": "64MiB",
-        "local_buffer_size": "16MiB",
-        "namespace": "bad-input",
-    }
+    extra = store_extra(
+        mooncake_master, "bad-input", local_hostname="127.0.0.1"
+    )
     h = Harness(CONNECTOR, extra_config=extra)
     yield extra, h
     h.close()

@@ -11,42 +11,23 @@ and no open job left.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("vllm")
 
 from connector.store import BatchResult, Op, Outcome
+from tests.connector_helpers import (
+    CONNECTOR,
+    assert_clean,
+    preempt_then_abort,
+    prompt,
+    run,
+    side,
+    store_prefix,
+)
 from tests.vllm_harness import Harness
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
-
-CONNECTOR = "connector.MooncakeLifecycleConnector"
-
-
-def prompt(seed, length):
-    return [(seed * 37 + i * 11) % 500 for i in range(length)]
-
-
-@pytest.fixture
-def extra(mooncake_master, unique):
-    return {
-        "master_server_address": mooncake_master.rpc_address,
-        "metadata_server": mooncake_master.metadata_server,
-        "protocol": "tcp",
-        "global_segment_size": "64MiB",
-        "local_buffer_size": "16MiB",
-        "namespace": unique,
-    }
-
-
-@pytest.fixture
-def harnesses():
-    made = []
-    yield made
-    for h in reversed(made):
-        h.close()
 
 
 @pytest.fixture
@@ -57,43 +38,6 @@ def make(extra, harnesses):
         return h
 
     return _make
-
-
-def run(h, max_steps=3000, deadline_s=60.0):
-    """Step until idle; while only transfers are pending, let them run."""
-    end = time.monotonic() + deadline_s
-    for _ in range(max_steps):
-        if h.is_idle() or time.monotonic() > end:
-            break
-        h.step()
-        if not h.scheduler.has_requests():
-            time.sleep(0.005)
-    h.check()
-
-
-def store_prefix(make, seed, length):
-    """Another instance saves `prompt(seed, length)`; it stays alive."""
-    a = make(num_blocks=40)
-    a.add_request("a", prompt(seed, length), max_tokens=2)
-    run(a)
-    return a
-
-
-def side(h):
-    return h.scheduler_connector.scheduler_side
-
-
-def assert_clean(h):
-    """Lifecycle ends: no illegal ordering, no tracker, no open job."""
-    s = side(h)
-    assert dict(s.machine.illegal_counts) == {}
-    assert len(s.registry) == 0
-    assert s.open_jobs == 0
-    assert s.unexpected_reports == 0
-    assert h.failures == []
-    w = h.worker_connector.worker_side
-    assert dict(w.machine.illegal_counts) == {}
-    assert len(w.registry) == 0
 
 
 class TestScenarios:
@@ -112,18 +56,7 @@ class TestScenarios:
     def test_preempt_then_abort(self, make):
         """Abort a request while it is preempted (empty block ids)."""
         h = make(num_blocks=12)
-        for i in range(4):
-            h.add_request(f"r{i}", prompt(i, 40), max_tokens=30)
-        victim = None
-        for _ in range(200):
-            report = h.step()
-            if report.preempted:
-                victim = min(report.preempted)
-                break
-        assert victim is not None
-        h.abort(victim)
-        run(h)
-        assert h.finished_by_status()["FINISHED_ABORTED"] == 1
+        preempt_then_abort(h)
         assert_clean(h)
 
     def test_prefix_saved_by_producer_loaded_by_consumer(self, make):

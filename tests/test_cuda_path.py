@@ -24,7 +24,6 @@ from connector.store import Regions
 from connector.transfer import CudaOps, Staged
 from tests.worker_helpers import (
     JobMaker,
-    Workers,
     assert_same_blocks,
     block_parts,
     make_worker,
@@ -68,13 +67,6 @@ def gpu_kv(layout="kv_first", dtype=torch.bfloat16, *, fill=True, seed=0):
 
 def pieces(kv, b):
     return block_parts(kv, b, NUM_BLOCKS)
-
-
-@pytest.fixture
-def workers(store_client):
-    made = Workers(store_client)
-    yield made
-    made.close()
 
 
 @pytest.fixture

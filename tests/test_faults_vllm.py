@@ -28,7 +28,14 @@ from connector.store import (
     Op,
     Outcome,
 )
-from tests.test_connector_vllm import CONNECTOR, assert_clean, prompt, side
+from tests import connector_helpers as helpers
+from tests.connector_helpers import (
+    CONNECTOR,
+    assert_clean,
+    prompt,
+    side,
+    store_extra,
+)
 from tests.vllm_harness import Harness
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
@@ -43,19 +50,15 @@ def faulty(start_master, unique):
     """A private master and a harness factory bound to it."""
     master = start_master(lease_ttl_ms=500)
     made = []
-    extra = {
-        "master_server_address": master.rpc_address,
-        "metadata_server": master.metadata_server,
-        "protocol": "tcp",
-        "local_hostname": "127.0.0.1",
-        "global_segment_size": "64MiB",
-        "local_buffer_size": "16MiB",
-        "namespace": unique,
-        "rpc_timeout_ms": RPC_TIMEOUT_MS,
-        "breaker_probe_ms": 200,
-        "close_timeout_ms": 1000,
-        "setup_retries": 1,
-    }
+    extra = store_extra(
+        master,
+        unique,
+        local_hostname="127.0.0.1",
+        rpc_timeout_ms=RPC_TIMEOUT_MS,
+        breaker_probe_ms=200,
+        close_timeout_ms=1000,
+        setup_retries=1,
+    )
 
     def make(**kwargs):
         config = {**extra, **kwargs.pop("extra", {})}
@@ -114,10 +117,22 @@ def loads_failed(h):
 
 
 def store_prefix(make, seed, length):
-    a = make(num_blocks=40)
-    a.add_request("a", prompt(seed, length), max_tokens=2)
-    drive(a)
-    return a
+    """`connector_helpers.store_prefix`, stepping with `drive`."""
+    return helpers.store_prefix(make, seed, length, drive=drive)
+
+
+def faulted_consumer(make, seed, fault):
+    """Store `prompt(seed, 64)`, then queue three requests extending it on
+    a new instance that calls `fault()` right after its first store hit.
+
+    Returns the instance and `fault_after_first_hit`'s record.
+    """
+    store_prefix(make, seed, 64)
+    b = make(num_blocks=40)
+    fired = fault_after_first_hit(b, fault)
+    for i in range(3):
+        b.add_request(f"b{i}", [*prompt(seed, 64), i], max_tokens=6)
+    return b, fired
 
 
 class TestMasterFaults:
@@ -126,11 +141,7 @@ class TestMasterFaults:
         after a restart saves land again.
         """
         master, make = faulty
-        store_prefix(make, 5, 64)
-        b = make(num_blocks=40)
-        fired = fault_after_first_hit(b, master.kill)
-        for i in range(3):
-            b.add_request(f"b{i}", [*prompt(5, 64), i], max_tokens=6)
+        b, fired = faulted_consumer(make, 5, master.kill)
         durations = drive(b)
         assert fired
         assert loads_failed(b) >= 1
@@ -158,11 +169,7 @@ class TestMasterFaults:
         timeout, failed loads recomputed; after SIGCONT loads work again.
         """
         master, make = faulty
-        store_prefix(make, 6, 64)
-        b = make(num_blocks=40)
-        fired = fault_after_first_hit(b, master.pause)
-        for i in range(3):
-            b.add_request(f"b{i}", [*prompt(6, 64), i], max_tokens=6)
+        b, fired = faulted_consumer(make, 6, master.pause)
         try:
             durations = drive(b, until=lambda: loads_failed(b) >= 1)
         finally:

@@ -74,6 +74,7 @@ pytest.importorskip("vllm")
 
 from connector.metadata import JobKind
 from tests import reference_connectors
+from tests.connector_helpers import prompt, store_extra
 from tests.vllm_harness import Harness, HarnessError
 
 pytestmark = pytest.mark.vllm
@@ -87,10 +88,6 @@ ours = pytest.param(OURS, marks=pytest.mark.mooncake)
 SCHEDULER_ASSERT = r"raised AssertionError"
 NEVER_DRAINS = r"not idle after|scheduler still holds|leaked blocks"
 WRONG_KV = r"holds wrong KV"
-
-
-def prompt(seed, length):
-    return [(seed * 37 + i * 11) % 500 for i in range(length)]
 
 
 @pytest.fixture
@@ -108,14 +105,7 @@ def make(request):
         if kind == OURS:
             if not extra:
                 master = request.getfixturevalue("mooncake_master")
-                extra.update(
-                    master_server_address=master.rpc_address,
-                    metadata_server=master.metadata_server,
-                    protocol="tcp",
-                    global_segment_size="64MiB",
-                    local_buffer_size="16MiB",
-                    namespace=uuid.uuid4().hex[:12],
-                )
+                extra.update(store_extra(master, uuid.uuid4().hex[:12]))
             h = Harness(OURS_CLASS, extra_config=dict(extra), **kwargs)
         else:
             h = Harness(

@@ -24,6 +24,7 @@ from connector.keys import KeyScheme, Layout
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from connector.store import Regions
 from connector.worker import KVLayout, WorkerSide
+from tests.connector_helpers import CONNECTOR, run, store_extra
 
 CONNECTOR_DIR = Path(__file__).resolve().parent.parent / "connector"
 
@@ -154,39 +155,24 @@ class TestNamespaces:
     """Tenants (namespaces) and models sharing one master stay apart."""
 
     @pytest.fixture
-    def make(self, mooncake_master, unique):
+    def make(self, mooncake_master, unique, harnesses):
         pytest.importorskip("vllm")
         from tests.vllm_harness import Harness  # noqa: PLC0415
 
-        made = []
-
         def _make(namespace, **kwargs):
-            extra = {
-                "master_server_address": mooncake_master.rpc_address,
-                "metadata_server": mooncake_master.metadata_server,
-                "protocol": "tcp",
-                "local_hostname": "127.0.0.1",
-                "global_segment_size": "64MiB",
-                "local_buffer_size": "16MiB",
-                "namespace": f"{unique}-{namespace}",
-            }
-            h = Harness(
-                "connector.MooncakeLifecycleConnector",
-                extra_config=extra,
-                num_blocks=40,
-                **kwargs,
+            extra = store_extra(
+                mooncake_master,
+                f"{unique}-{namespace}",
+                local_hostname="127.0.0.1",
             )
-            made.append(h)
+            h = Harness(CONNECTOR, extra_config=extra, num_blocks=40, **kwargs)
+            harnesses.append(h)
             return h
 
-        yield _make
-        for h in reversed(made):
-            h.close()
+        return _make
 
     @staticmethod
     def hits(h, tokens):
-        from tests.test_connector_vllm import run  # noqa: PLC0415
-
         h.add_request("r", tokens, max_tokens=2)
         run(h)
         return h.external_hits["r"]

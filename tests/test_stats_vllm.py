@@ -25,31 +25,11 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from connector.stats import LifecycleConnectorStats, MetricName
 from lifecycle import Event
 from lifecycle.trace import pair_key
-from tests.test_connector_vllm import CONNECTOR, prompt, run, side
+from tests.connector_helpers import CONNECTOR, prompt, run, side
 from tests.test_stats import registry_bound
 from tests.vllm_harness import Harness
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
-
-
-@pytest.fixture
-def extra(mooncake_master, unique):
-    return {
-        "master_server_address": mooncake_master.rpc_address,
-        "metadata_server": mooncake_master.metadata_server,
-        "protocol": "tcp",
-        "global_segment_size": "64MiB",
-        "local_buffer_size": "16MiB",
-        "namespace": unique,
-    }
-
-
-@pytest.fixture
-def harnesses():
-    made = []
-    yield made
-    for h in reversed(made):
-        h.close()
 
 
 def capture_outputs(h):

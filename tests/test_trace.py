@@ -49,14 +49,21 @@ def drive(registry, req_id, events):
         registry.fire(req_id, event)
 
 
+def open_traced(path, *, strict=False, **writer_options):
+    """A machine, its registry and a writer tracing it to `path`."""
+    machine = LifecycleMachine(strict=strict)
+    registry = Registry(machine, Tracker)
+    writer = TraceWriter.open(path, **writer_options)
+    writer.attach(machine)
+    return machine, registry, writer
+
+
 @pytest.fixture
 def traced(tmp_path):
-    """A machine, its registry and a writer tracing it to trace.jsonl."""
-    machine = LifecycleMachine()
-    registry = Registry(machine, Tracker)
-    writer = TraceWriter.open(tmp_path / "trace.jsonl")
-    writer.attach(machine)
-    yield machine, registry, writer, tmp_path / "trace.jsonl"
+    """`open_traced` to trace.jsonl, and the path; closed at teardown."""
+    path = tmp_path / "trace.jsonl"
+    machine, registry, writer = open_traced(path)
+    yield machine, registry, writer, path
     writer.close()
 
 
@@ -161,11 +168,8 @@ def test_a_planted_illegal_line_is_the_first_illegal_ordering(traced):
 def test_the_bound_is_respected_and_dropped_events_are_counted(
     tmp_path, caplog
 ):
-    machine = LifecycleMachine()
-    registry = Registry(machine, Tracker)
     path = tmp_path / "t.jsonl"
-    writer = TraceWriter.open(path, max_events=5)
-    writer.attach(machine)
+    _, registry, writer = open_traced(path, max_events=5)
     registry.get_or_create("r")
     with caplog.at_level(logging.WARNING, logger="lifecycle.trace"):
         drive(registry, "r", [E.LOOKUP] * 12)
@@ -199,11 +203,8 @@ def test_sessions_append_and_replay_separately(tmp_path):
     path = tmp_path / "t.jsonl"
     machines = []
     for _ in range(2):
-        machine = LifecycleMachine()
+        machine, registry, writer = open_traced(path)
         machines.append(machine)
-        registry = Registry(machine, Tracker)
-        writer = TraceWriter.open(path)
-        writer.attach(machine)
         registry.get_or_create("r")
         drive(registry, "r", [E.LOOKUP, E.ALLOC_LOCAL])  # left running
         writer.close()
@@ -285,10 +286,7 @@ STEPS = st.lists(
 @given(steps=STEPS)
 def test_replay_reproduces_any_event_sequence(tmp_path_factory, steps):
     path = tmp_path_factory.mktemp("trace") / "t.jsonl"
-    machine = LifecycleMachine()
-    registry = Registry(machine, Tracker)
-    writer = TraceWriter.open(path)
-    writer.attach(machine)
+    machine, registry, writer = open_traced(path)
     for req_id, event, with_epoch in steps:
         tracker = registry.get_or_create(req_id)
         epoch = max(tracker.epoch - 1, 0) if with_epoch else None
@@ -388,11 +386,8 @@ def test_any_request_id_round_trips(traced):
 
 
 def test_strict_mode_traces_the_illegal_event_before_raising(tmp_path):
-    machine = LifecycleMachine(strict=True)
-    registry = Registry(machine, Tracker)
     path = tmp_path / "t.jsonl"
-    writer = TraceWriter.open(path)
-    writer.attach(machine)
+    _, registry, writer = open_traced(path, strict=True)
     registry.get_or_create("r")
     with pytest.raises(IllegalTransition):
         registry.fire("r", E.LOAD_DONE)
@@ -406,11 +401,8 @@ def test_strict_mode_traces_the_illegal_event_before_raising(tmp_path):
 
 
 def test_lines_reach_the_file_within_the_flush_interval(tmp_path):
-    machine = LifecycleMachine()
-    registry = Registry(machine, Tracker)
     path = tmp_path / "t.jsonl"
-    writer = TraceWriter.open(path, flush_interval=0.05)
-    writer.attach(machine)
+    _, registry, writer = open_traced(path, flush_interval=0.05)
     registry.get_or_create("r")
     registry.fire("r", E.LOOKUP)
     deadline = time.monotonic() + 5

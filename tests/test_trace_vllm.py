@@ -14,48 +14,27 @@ pytest.importorskip("vllm")
 
 from lifecycle import Event, State
 from lifecycle.trace import ILLEGAL, replay, replay_file, summarize
-from tests.test_connector_vllm import CONNECTOR, prompt, run, side
+from tests.connector_helpers import CONNECTOR, preempt_then_abort, side
 from tests.vllm_harness import Harness
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
 
 @pytest.fixture
-def extra(mooncake_master, unique, tmp_path):
-    return {
-        "master_server_address": mooncake_master.rpc_address,
-        "metadata_server": mooncake_master.metadata_server,
-        "protocol": "tcp",
-        "global_segment_size": "64MiB",
-        "local_buffer_size": "16MiB",
-        "namespace": unique,
-        "lifecycle_trace": str(tmp_path / "trace.jsonl"),
-    }
+def extra(extra, tmp_path):
+    """conftest's `extra`, tracing to ``tmp_path / "trace.jsonl"``."""
+    return {**extra, "lifecycle_trace": str(tmp_path / "trace.jsonl")}
 
 
-def preempt_then_abort(extra):
+def preempt_then_abort_closed(extra):
     """tests.test_connector_vllm's scenario; returns the closed harness."""
-    h = Harness(CONNECTOR, extra_config=extra, num_blocks=12)
-    try:
-        for i in range(4):
-            h.add_request(f"r{i}", prompt(i, 40), max_tokens=30)
-        victim = None
-        for _ in range(200):
-            report = h.step()
-            if report.preempted:
-                victim = min(report.preempted)
-                break
-        assert victim is not None
-        h.abort(victim)
-        run(h)
-        assert h.finished_by_status()["FINISHED_ABORTED"] == 1
-    finally:
-        h.close()
+    with Harness(CONNECTOR, extra_config=extra, num_blocks=12) as h:
+        victim = preempt_then_abort(h)
     return h, victim
 
 
 def test_replayed_trace_equals_the_scheduler_machine(extra, tmp_path):
-    h, victim = preempt_then_abort(extra)
+    h, victim = preempt_then_abort_closed(extra)
     machine = side(h).machine
     assert h.scheduler_connector.trace.closed
     result = replay_file(tmp_path / "trace.jsonl")
@@ -74,7 +53,7 @@ def test_replayed_trace_equals_the_scheduler_machine(extra, tmp_path):
 
 
 def test_planted_illegal_line_in_a_real_trace(extra, tmp_path):
-    h, victim = preempt_then_abort(extra)
+    h, victim = preempt_then_abort_closed(extra)
     lines = (tmp_path / "trace.jsonl").read_text().splitlines()
     at = next(
         i
@@ -107,7 +86,7 @@ def test_planted_illegal_line_in_a_real_trace(extra, tmp_path):
 
 def test_the_bound_holds_in_the_connector(extra, tmp_path):
     extra["lifecycle_trace_max_events"] = 25
-    h, _ = preempt_then_abort(extra)
+    h, _ = preempt_then_abort_closed(extra)
     writer = h.scheduler_connector.trace
     machine = side(h).machine
     total = sum(machine.transition_counts().values())

@@ -10,15 +10,12 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests import reference_connectors
+from tests.connector_helpers import prompt
 from tests.vllm_harness import Harness, HarnessError
 
 pytestmark = pytest.mark.vllm
 
 REFERENCE = "tests.reference_connectors.ReferenceConnector"
-
-
-def prompt(seed, length):
-    return [(seed * 37 + i * 11) % 500 for i in range(length)]
 
 
 @pytest.fixture

@@ -21,14 +21,15 @@ from connector.store import Regions
 from connector.transfer import HostOps, Staged, block_pieces, open_transfer
 from connector.worker import Verdict
 from lifecycle import Event, LifecycleMachine, State
+from tests.connector_helpers import CONNECTOR, prompt, run
 from tests.worker_helpers import (
     Gate,
     JobMaker,
-    Workers,
     assert_same_blocks,
     make_worker,
     settle,
     step,
+    step_job,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -54,13 +55,6 @@ def kv_caches(layout="blocks_first", dtype=torch.float32, seed=0):
 
 def assert_blocks_equal(kv_a, a_ids, kv_b, b_ids):
     assert_same_blocks(kv_a, a_ids, kv_b, b_ids, NUM_BLOCKS)
-
-
-@pytest.fixture
-def workers(store_client):
-    made = Workers(store_client)
-    yield made
-    made.close()
 
 
 @pytest.fixture
@@ -302,68 +296,15 @@ class TestStaging:
         staged = make(kv_staged, staging_blocks=2)
         assert isinstance(staged.transfer, Staged)
         staged.save_kv_layer("l0")  # l1 waits on the step-wide mark
-        step(
-            staged,
-            ConnectorMeta(
-                step=1,
-                jobs=(
-                    job(
-                        1,
-                        SAVE,
-                        "s",
-                        0,
-                        [0, 1, 2, 3, 4],
-                        [f"s{i}" for i in range(5)],
-                    ),
-                ),
-            ),
-        )
-        step(
-            direct,
-            ConnectorMeta(
-                step=1,
-                jobs=(
-                    job(
-                        1, SAVE, "d", 0, [0, 1, 2], [f"d{i}" for i in range(3)]
-                    ),
-                ),
-            ),
-        )
+        s_keys = [f"s{i}" for i in range(5)]
+        d_keys = [f"d{i}" for i in range(3)]
+        step_job(staged, 1, job(1, SAVE, "s", 0, range(5), s_keys))
+        step_job(direct, 1, job(1, SAVE, "d", 0, range(3), d_keys))
         assert [JobResult(1, ok=1)] == settle(staged, 1)[1]
         assert [JobResult(1, ok=1)] == settle(direct, 1)[1]
         # Staged saves, zero-copy loads; zero-copy saves, staged loads.
-        step(
-            direct,
-            ConnectorMeta(
-                step=2,
-                jobs=(
-                    job(
-                        2,
-                        LOAD,
-                        "d2",
-                        0,
-                        [8, 9, 10, 11, 12],
-                        [f"s{i}" for i in range(5)],
-                    ),
-                ),
-            ),
-        )
-        step(
-            staged,
-            ConnectorMeta(
-                step=2,
-                jobs=(
-                    job(
-                        2,
-                        LOAD,
-                        "s2",
-                        0,
-                        [13, 14, 15],
-                        [f"d{i}" for i in range(3)],
-                    ),
-                ),
-            ),
-        )
+        step_job(direct, 2, job(2, LOAD, "d2", 0, range(8, 13), s_keys))
+        step_job(staged, 2, job(2, LOAD, "s2", 0, range(13, 16), d_keys))
         assert [{"d2"}] == settle(direct, 1)[0]
         assert [{"s2"}] == settle(staged, 1)[0]
         assert_blocks_equal(kv_staged, range(5), kv_direct, range(8, 13))
@@ -463,9 +404,7 @@ class TestStaging:
         assert tuple(p for p, _ in calls) == transfer.registered
 
 
-def test_harness_preemptions_through_cpu_staging(
-    mooncake_master, unique, monkeypatch
-):
+def test_harness_preemptions_through_cpu_staging(extra, monkeypatch):
     """vLLM's real scheduler, every transfer through the staging code."""
     pytest.importorskip("vllm")
     from tests.vllm_harness import Harness  # noqa: PLC0415
@@ -474,31 +413,12 @@ def test_harness_preemptions_through_cpu_staging(
         return open_transfer(*args, **{**kwargs, "staging_blocks": 3})
 
     monkeypatch.setattr(worker_module, "open_transfer", staged)
-    extra = {
-        "master_server_address": mooncake_master.rpc_address,
-        "metadata_server": mooncake_master.metadata_server,
-        "protocol": "tcp",
-        "global_segment_size": "64MiB",
-        "local_buffer_size": "16MiB",
-        "namespace": unique,
-    }
-    with Harness(
-        "connector.MooncakeLifecycleConnector",
-        extra_config=extra,
-        num_blocks=12,
-    ) as h:
+    with Harness(CONNECTOR, extra_config=extra, num_blocks=12) as h:
         worker = h.worker_connector.worker_side
         assert isinstance(worker.transfer, Staged)
         for i in range(4):
-            h.add_request(
-                f"r{i}", [(i * 37 + j * 11) % 500 for j in range(40)], 30
-            )
-        end = time.monotonic() + 60
-        while not h.is_idle() and time.monotonic() < end:
-            h.step()
-            if not h.scheduler.has_requests():
-                time.sleep(0.005)
-        h.check()
+            h.add_request(f"r{i}", prompt(i, 40), 30)
+        run(h)
         assert h.num_preemptions >= 1
         assert h.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 4}
         assert worker.jobs_done[SAVE] >= 1

@@ -12,7 +12,7 @@ import time
 import torch
 
 from connector.keys import KeyScheme, Layout
-from connector.metadata import TransferJob
+from connector.metadata import ConnectorMeta, TransferJob
 from connector.store import Regions
 from connector.worker import WorkerSide
 
@@ -133,6 +133,11 @@ def step(w, meta):
     w.handle_preemptions(meta)
     w.start_load_kv(meta)
     w.wait_for_save(meta)
+
+
+def step_job(w, n, job):
+    """Step `n` of the worker hooks with `job` as its only transfer job."""
+    step(w, ConnectorMeta(step=n, jobs=(job,)))
 
 
 def _poll(w, recving, results, errors):

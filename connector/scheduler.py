@@ -128,7 +128,6 @@ class SchedulerSide:
             raise ValueError(msg)
         self.block_size = block_size
         self.role = role
-        self._saves = role.saves
         self.world_size = world_size
         self.machine = machine or LifecycleMachine()
         self.registry: Registry[RequestTracker] = Registry(
@@ -233,7 +232,7 @@ class SchedulerSide:
             elif new_ids:
                 tracker.block_ids.extend(new_ids[0])
             if tracker.num_saved_tokens + bs > tracker.num_prompt_tokens:
-                continue  # prompt saved: a decode step (the hot path)
+                continue  # prompt saved (decode): `_maybe_save` would no-op
             done = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._maybe_save(tracker, done, jobs)
         return ConnectorMeta(
@@ -360,7 +359,7 @@ class SchedulerSide:
     def _maybe_save(
         self, tracker: RequestTracker, computed: int, jobs: list[TransferJob]
     ) -> None:
-        if not self._saves or tracker.state is not State.SAVING:
+        if not self.role.saves or tracker.state is not State.SAVING:
             return
         bs = self.block_size
         last = (

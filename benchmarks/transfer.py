@@ -224,6 +224,18 @@ class Row:
 RAW_NAMES = ("raw_save", "raw_load", "raw_put_only")
 
 
+def registered_buffers(
+    client: StoreClient, nbytes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded random source and a zeroed destination, both registered."""
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    client.register_tensor(src)
+    client.register_tensor(dst)
+    return src, dst
+
+
 def run(reps_small: int, reps_large: int, segment: int) -> dict[str, Any]:
     """Start a master, measure every row, return the JSON document."""
     started = time.monotonic()
@@ -236,13 +248,7 @@ def run(reps_small: int, reps_large: int, segment: int) -> dict[str, Any]:
             rpc_timeout_ms=5000,
         )
         with StoreClient.open(config) as client:
-            gen = torch.Generator().manual_seed(0)
-            src = torch.randint(
-                0, 256, (capacity,), dtype=torch.uint8, generator=gen
-            )
-            dst = torch.zeros(capacity, dtype=torch.uint8)
-            client.register_tensor(src)
-            client.register_tensor(dst)
+            src, dst = registered_buffers(client, capacity)
             rows = []
             for block, batch in ROWS:
                 reps = reps_large if block * batch >= 64 * MiB else reps_small

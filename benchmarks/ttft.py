@@ -173,22 +173,15 @@ def measure_raw(block_bytes: int, batch: int, reps: int) -> dict[str, Any]:
 
     Contiguous objects of ``block_bytes``: the store's best case.
     """
-    import torch  # noqa: PLC0415 (after the engine, in this process)
-
-    from benchmarks.transfer import Row  # noqa: PLC0415
+    # After the engine, in this process.
+    from benchmarks.transfer import Row, registered_buffers  # noqa: PLC0415
     from connector.store import StoreClient  # noqa: PLC0415
 
     nbytes = block_bytes * batch
     master, config = _store(nbytes)
     try:
         with StoreClient.open(config) as client:
-            gen = torch.Generator().manual_seed(0)
-            src = torch.randint(
-                0, 256, (nbytes,), dtype=torch.uint8, generator=gen
-            )
-            dst = torch.zeros(nbytes, dtype=torch.uint8)
-            client.register_tensor(src)
-            client.register_tensor(dst)
+            src, dst = registered_buffers(client, nbytes)
             return Row(client, src, dst, block_bytes, batch).measure(reps)
     finally:
         master.stop()

@@ -94,6 +94,8 @@ CONNECTOR_KEYS: Final = frozenset(
         "mooncake_config_path",
         "lifecycle_trace",
         "lifecycle_trace_max_events",
+        "lookup_timeout_ms",
+        "lookup_max_pending",
     }
 )
 # Keys that vLLM's or Mooncake's own loaders understand but this client
@@ -605,6 +607,47 @@ class TraceConfig:
         if max_events <= 0:
             raise ConfigError(key, raw, "must be positive")
         return cls((path or "").strip() or None, max_events)
+
+
+DEFAULT_LOOKUP_TIMEOUT_MS: Final = 50
+DEFAULT_LOOKUP_MAX_PENDING: Final = 4096
+
+
+@attrs.frozen
+class LookupConfig:
+    """Bounds of the admission lookups (off the scheduler thread).
+
+    Read from ``kv_connector_extra_config`` keys ``lookup_timeout_ms``
+    (longest a request is held back for its store lookup before it is
+    admitted as a miss) and ``lookup_max_pending`` (most requests held
+    back at once; beyond it a request is admitted as a miss at once).
+
+    Attributes:
+        timeout_ms: The hold-back bound, positive.
+        max_pending: The bound on requests held back, positive.
+    """
+
+    timeout_ms: int = DEFAULT_LOOKUP_TIMEOUT_MS
+    max_pending: int = DEFAULT_LOOKUP_MAX_PENDING
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, object]) -> LookupConfig:
+        """Read the two lookup keys (defaults when absent).
+
+        Raises:
+            ConfigError: naming the key of a bad value.
+        """
+        values = []
+        for key, default in (
+            ("lookup_timeout_ms", DEFAULT_LOOKUP_TIMEOUT_MS),
+            ("lookup_max_pending", DEFAULT_LOOKUP_MAX_PENDING),
+        ):
+            raw = extra.get(key, default)
+            value = _coerce_int(key, raw)
+            if value <= 0:
+                raise ConfigError(key, raw, "must be positive")
+            values.append(value)
+        return cls(*values)
 
 
 def _known_values(

@@ -9,12 +9,22 @@ neither preemption nor completion can hand those blocks to another request
 while the store still reads them (vLLM #52360).  `request_finished` never
 delays freeing, so there is never a send completion to owe (invariant 2).
 
+Admission lookups never run on the scheduler thread (`connector.lookup`):
+the first `get_num_new_matched_tokens` of a prefix answers None ("cannot
+tell yet"; vLLM skips the request this step), the step's lookups go to the
+lookup thread as one store call when the step's metadata is built, and a
+later call takes the answer through the epoch-fenced ``lookup_done``
+event.  A request is held back at most `lookup_timeout_s`, and at most
+`max_pending` requests at once; past either bound it is admitted as a
+miss (0 external tokens) and computes locally.
+
 No vLLM import: vLLM objects are read by attribute (duck typing), so the
 half is usable, and testable, without vLLM.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 from collections.abc import Sequence
@@ -22,6 +32,7 @@ from typing import Any, Final, Protocol
 
 import attrs
 
+from connector.lookup import AsyncLookups, BatchLookup, PendingLookup
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from lifecycle import Event, LifecycleMachine, Registry, State, Tracker
 
@@ -31,6 +42,9 @@ _ABORT_STATUSES: Final = frozenset({"FINISHED_ABORTED", "FINISHED_ERROR"})
 # A load is issued even if vLLM finished the request since the allocation
 # (DRAINING): vLLM keeps its blocks until the one receive completion.
 _LOAD_STATES: Final = frozenset({State.LOADING, State.DRAINING})
+#: Defaults of the admission-lookup bounds (see `SchedulerSide`).
+LOOKUP_TIMEOUT_S: Final = 0.05
+MAX_PENDING_LOOKUPS: Final = 4096
 
 
 class Role(enum.Enum):
@@ -51,6 +65,24 @@ class HitLookup(Protocol):
 
     def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
         """How many leading blocks of `block_hashes` are stored."""
+
+
+@attrs.frozen
+class _OneByOne:
+    """A `BatchLookup` over a lookup that only answers one prefix."""
+
+    lookup: HitLookup
+
+    def hit_blocks_many(
+        self, prefixes: Sequence[Sequence[bytes]]
+    ) -> list[int]:
+        return [self.lookup.hit_blocks(p) for p in prefixes]
+
+
+def _batching(lookup: Any) -> BatchLookup:
+    if hasattr(lookup, "hit_blocks_many"):
+        return lookup  # type: ignore[no-any-return]
+    return _OneByOne(lookup)
 
 
 class BlockPool(Protocol):
@@ -109,9 +141,15 @@ class SchedulerSide:
     Args:
         block_size: vLLM's KV block size in tokens.
         role: Who saves.
-        lookup: How to ask the store for a prefix.
+        lookup: How to ask the store for a prefix (`hit_blocks`, and
+            `hit_blocks_many` to answer a step's lookups in one call).
+            Only the lookup thread calls it.
         world_size: Ranks that must report a job before it is settled.
         machine: The lifecycle machine (strict in tests).
+        lookup_timeout_s: Longest a request is held back for its lookup.
+        max_pending: Most requests held back for lookups at once.
+        threaded_lookups: Run lookups on a thread (False: only when
+            `lookups.run_pending()` is called, for deterministic tests).
     """
 
     def __init__(
@@ -122,6 +160,9 @@ class SchedulerSide:
         lookup: HitLookup,
         world_size: int = 1,
         machine: LifecycleMachine | None = None,
+        lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
+        max_pending: int = MAX_PENDING_LOOKUPS,
+        threaded_lookups: bool = True,
     ) -> None:
         if block_size <= 0:
             msg = f"block_size must be positive, got {block_size}"
@@ -134,6 +175,14 @@ class SchedulerSide:
             self.machine, RequestTracker
         )
         self._lookup = lookup
+        self.lookups = AsyncLookups(
+            lambda: _batching(self._lookup),
+            timeout_s=lookup_timeout_s,
+            threaded=threaded_lookups,
+        )
+        self.max_pending = max_pending
+        self._pending: dict[str, PendingLookup] = {}
+        self.lookup_counts: collections.Counter[str] = collections.Counter()
         self._pool: BlockPool | None = None
         self._open: dict[int, _OpenJob] = {}
         self._next_job = 0
@@ -157,11 +206,13 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """External tokens loadable beyond vLLM's local hit, loaded async.
 
         Block-aligned; a full hit leaves the last block to recompute.
+        None while the store lookup runs (vLLM asks again next step).
         Idempotent: vLLM repeats the call every step the request waits.
+        Never calls the store.
         """
         tracker = self.registry.get_or_create(request.request_id)
         if not self.registry.fire_on(tracker, Event.LOOKUP):
@@ -171,6 +222,8 @@ class SchedulerSide:
         tracker.num_tokens = request.num_tokens
         tracker.num_local_tokens = num_computed_tokens
         hit = self._hit_tokens(tracker, request.num_tokens)
+        if hit is None:
+            return None, False
         external = max(hit - num_computed_tokens, 0)
         return external, external > 0
 
@@ -198,6 +251,9 @@ class SchedulerSide:
         so = scheduler_output
         jobs: list[TransferJob] = []
         preempted = self._preempt(so.preempted_req_ids or ())
+        if self.lookups.completed:
+            self._take_lookups()
+        self.lookups.dispatch()
         jobs.extend(
             self._issue_load(t)
             for t in self._loads_to_issue
@@ -287,6 +343,14 @@ class SchedulerSide:
         """Whether saves still pin blocks: vLLM keeps stepping until not."""
         return any(o.job.kind is JobKind.SAVE for o in self._open.values())
 
+    def wait_for_lookups(self, timeout_s: float) -> bool:
+        """Block until dispatched lookups ran (tests and harnesses only)."""
+        return self.lookups.wait_idle(timeout_s)
+
+    def close(self) -> None:
+        """Stop the lookup thread (bounded)."""
+        self.lookups.close()
+
     # -- internals ------------------------------------------------------------
 
     @property
@@ -294,17 +358,124 @@ class SchedulerSide:
         """Jobs issued and not yet settled on every rank."""
         return len(self._open)
 
-    def _hit_tokens(self, tracker: RequestTracker, num_tokens: int) -> int:
+    @property
+    def pending_lookups(self) -> int:
+        """Requests held back for a lookup right now."""
+        return len(self._pending)
+
+    def _hit_tokens(
+        self, tracker: RequestTracker, num_tokens: int
+    ) -> int | None:
+        """Stored prefix tokens; None while the lookup is in flight."""
         if tracker.load_failures:
             return 0
         bs = self.block_size
         asked = min(len(tracker.block_hashes), max(num_tokens - 1, 0) // bs)
         key = (tracker.epoch, asked)
         if tracker.lookup_key != key:
-            found = self._lookup.hit_blocks(tracker.block_hashes[:asked])
-            tracker.num_hit_tokens = min(max(found, 0), asked) * bs
-            tracker.lookup_key = key
-        return tracker.num_hit_tokens
+            pending = self._pending.get(tracker.req_id)
+            if pending is not None:
+                self._take_answer(tracker, key, pending)
+        if tracker.lookup_key == key:
+            return tracker.num_hit_tokens
+        if tracker.req_id in self._pending:
+            return None  # still in flight, deadline not reached
+        if asked == 0:
+            return self._answer(tracker, key, 0)
+        if len(self._pending) >= self.max_pending:
+            self.lookup_counts["over_limit"] += 1
+            return self._answer(tracker, key, 0)
+        self._pending[tracker.req_id] = self.lookups.start(
+            tracker.req_id,
+            tracker,
+            tracker.epoch,
+            tracker.block_hashes[:asked],
+        )
+        self.lookup_counts["started"] += 1
+        return None
+
+    def _take_answer(
+        self,
+        tracker: RequestTracker,
+        key: tuple[int, int],
+        pending: PendingLookup,
+    ) -> None:
+        """Settle, keep waiting for, or give up on `pending` for `key`.
+
+        Leaves `tracker.lookup_key == key` when `key` is answered (the
+        lookup's answer, or 0 past its deadline); leaves `pending` in
+        flight only while it is the lookup of `key` and not overdue.
+        """
+        mine = (pending.epoch, pending.asked) == key
+        if pending.tracker is tracker and mine:
+            if pending.done:
+                self._settle_lookup(pending)
+            elif self.lookups.clock() >= pending.deadline:
+                self._drop_lookup(pending, "timed_out")
+            else:
+                return
+            if tracker.lookup_key != key:
+                self._answer(tracker, key, 0)
+        elif pending.done:  # e.g. started before a preemption: stale
+            self._settle_lookup(pending)
+        else:
+            self._drop_lookup(pending, "superseded")
+
+    @staticmethod
+    def _answer(
+        tracker: RequestTracker, key: tuple[int, int], tokens: int
+    ) -> int:
+        tracker.num_hit_tokens = tokens
+        tracker.lookup_key = key
+        return tokens
+
+    def _take_lookups(self) -> None:
+        """Settle every lookup the thread finished (scheduler thread)."""
+        for pending in self.lookups.take_completed():
+            if not pending.taken:
+                self._settle_lookup(pending)
+
+    def _drop_lookup(self, pending: PendingLookup, why: str) -> None:
+        """Stop waiting for `pending`; its answer will be discarded."""
+        pending.abandoned = pending.taken = True
+        if self._pending.get(pending.req_id) is pending:
+            del self._pending[pending.req_id]
+        self.lookup_counts[why] += 1
+
+    def _settle_lookup(self, pending: PendingLookup) -> None:
+        """Fire `lookup_done` for a finished lookup; cache its answer.
+
+        A lookup whose request ended (finish, abort; its id maybe reused
+        by a new request) is counted and dropped; one from an older epoch
+        (preemption) is counted stale by the machine.
+        """
+        pending.taken = True
+        if self._pending.get(pending.req_id) is pending:
+            del self._pending[pending.req_id]
+        tracker: RequestTracker = pending.tracker
+        if self.registry.get(pending.req_id) is not tracker:
+            self.lookup_counts["ended"] += 1
+            return
+        if pending.expired:
+            self.lookup_counts["timed_out"] += 1
+        if not self.registry.fire_on(
+            tracker, Event.LOOKUP_DONE, epoch=pending.epoch
+        ):
+            self.lookup_counts["refused"] += 1
+            return
+        found = self.found_blocks(pending)
+        self._answer(
+            tracker, (pending.epoch, pending.asked), found * self.block_size
+        )
+        self.lookup_counts["answered"] += 1
+
+    def found_blocks(self, pending: PendingLookup) -> int:
+        """Leading blocks of a finished lookup the request may load.
+
+        The one place a looked-up answer is read: a filter on the keys
+        looked up (e.g. keys that failed to load) belongs here.
+        """
+        return 0 if pending.expired else pending.found
 
     def _mark_stored_prefix(self, tracker: RequestTracker) -> None:
         tracker.num_saved_tokens = max(

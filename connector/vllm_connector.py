@@ -33,9 +33,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connector import clients
-from connector.config import StoreConfig, TraceConfig
+from connector.config import LookupConfig, StoreConfig, TraceConfig
 from connector.errors import ConfigError
 from connector.keys import KeyScheme, Layout
+from connector.lookup import hits_per_prefix
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
 from connector.scheduler import Role, SchedulerSide
 from connector.stats import (
@@ -94,16 +95,19 @@ class _StoreLookup:
     schemes: tuple[KeyScheme, ...]
 
     def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
-        if not block_hashes:
-            return 0
-        keys = [k for s in self.schemes for k in s.keys(block_hashes)]
+        return self.hit_blocks_many([block_hashes])[0]
+
+    def hit_blocks_many(
+        self, prefixes: Sequence[Sequence[bytes]]
+    ) -> list[int]:
+        """Every prefix's leading hit, over every shard, in one call."""
+        hashes = [h for p in prefixes for h in p]
+        if not hashes:
+            return [0] * len(prefixes)
+        keys = [k for s in self.schemes for k in s.keys(hashes)]
         flags = self.client.exists(keys).succeeded
-        n = len(block_hashes)
-        hit = n
-        for i in range(len(self.schemes)):
-            shard = flags[i * n : (i + 1) * n]
-            hit = min(hit, next((j for j, f in enumerate(shard) if not f), n))
-        return hit
+        sizes = [len(p) for p in prefixes]
+        return hits_per_prefix(flags, sizes, len(self.schemes))
 
 
 def _layout(kv_cache_config: Any) -> Layout:
@@ -165,6 +169,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         extra = dict(transfer.kv_connector_extra_config or {})
         self._store_config = StoreConfig.from_vllm(extra)
         trace = TraceConfig.from_extra_config(extra)
+        lookups = LookupConfig.from_extra_config(extra)
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
         model = PurePath(str(vllm_config.model_config.model)).name
@@ -197,6 +202,8 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
                         self._client, tuple(scheme(r) for r in range(tp_size))
                     ),
                     world_size=parallel.world_size,
+                    lookup_timeout_s=lookups.timeout_ms / 1000,
+                    max_pending=lookups.max_pending,
                 )
             self._trace = _open_trace(trace, self._scheduler)
         except BaseException:
@@ -275,6 +282,17 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         """Saves still pin blocks: keep the engine stepping."""
         return self.scheduler_side.has_pending_push_work()
+
+    def wait_for_lookups(self, timeout_s: float) -> bool:
+        """Block until this step's lookups ran: harnesses and tests only.
+
+        A test harness steps far faster than an engine with a forward
+        pass; waiting here keeps its step counts deterministic.  vLLM
+        never calls it.
+        """
+        if self._scheduler is None:
+            return True
+        return self._scheduler.wait_for_lookups(timeout_s)
 
     # ---------------------------------------------------------- worker side
 
@@ -391,6 +409,8 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         """Drain the transfer threads (bounded) and release the client."""
         if self._trace is not None:
             self._trace.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None

@@ -39,6 +39,7 @@ class Event(enum.StrEnum):
     """What a connector hook or a transfer completion reports."""
 
     LOOKUP = "lookup"
+    LOOKUP_DONE = "lookup_done"
     ALLOC_LOCAL = "alloc_local"
     ALLOC_EXTERNAL = "alloc_external"
     LOAD_DONE = "load_done"

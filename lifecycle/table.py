@@ -21,7 +21,7 @@ Rules
   (vLLM #43281, #56780, vllm-ascend#3721).
 * Terminal states (FINISHED, ABORTED) have no exits; the registry drops a
   tracker the moment it reaches one.
-* Transfer completions carry the epoch their job was issued in.  A
+* Transfer and lookup completions carry the epoch they were issued in.  A
   completion from an older epoch is stale: it is counted and never reaches
   the table (vLLM #51637: request ids are reused after preemption).
 * Callbacks are named in the row and run after the state change, in order;
@@ -31,6 +31,10 @@ Theory of operation
 -------------------
 NEW       The request is known (looked up, maybe repeatedly: vLLM calls
           `get_num_new_matched_tokens` every step while it waits for space).
+          A store lookup runs off the scheduler thread; its answer arrives
+          as `lookup_done`, fenced by the epoch it was started in, so a
+          lookup that returns after a preemption is stale.  Accepted only
+          where a request waits to be admitted (NEW, RESET).
 LOADING   Blocks are allocated and external KV is being received into them
           (vLLM: WAITING_FOR_REMOTE_KVS).  Saves are illegal here, so a load
           and a save are never co-queued for one request (vLLM #43371).
@@ -103,6 +107,7 @@ E = Event
 TRANSITIONS: Final[tuple[Row, ...]] = (
     # NEW: known, nothing allocated.  Lookups repeat while vLLM waits.
     Row(S.NEW, E.LOOKUP, S.NEW),
+    Row(S.NEW, E.LOOKUP_DONE, S.NEW),
     Row(S.NEW, E.ALLOC_LOCAL, S.SAVING),
     Row(S.NEW, E.ALLOC_EXTERNAL, S.LOADING),
     Row(S.NEW, E.FINISH, S.FINISHED),
@@ -139,6 +144,7 @@ TRANSITIONS: Final[tuple[Row, ...]] = (
     Row(S.PREEMPTED, E.ABORT, S.ABORTED),
     # RESET: cleared, waiting to be re-admitted.
     Row(S.RESET, E.LOOKUP, S.RESET),
+    Row(S.RESET, E.LOOKUP_DONE, S.RESET),
     Row(S.RESET, E.ALLOC_LOCAL, S.RESET),
     Row(S.RESET, E.ALLOC_EXTERNAL, S.LOADING),
     Row(S.RESET, E.RESUME, S.SAVING),

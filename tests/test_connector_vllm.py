@@ -80,9 +80,11 @@ class TestScenarios:
         store_prefix(make, 5, 64)
         b = make(num_blocks=40)
         b.add_request("b", [*prompt(5, 64), 9], max_tokens=8)
-        b.step()
+        b.step()  # answers None: the lookup runs off the scheduler thread
         tracker = side(b).registry.get("b")
         assert tracker is not None
+        assert tracker.state.name == "NEW"
+        b.step()
         assert tracker.state.name == "LOADING"
         b.abort("b")
         assert tracker.state.name == "DRAINING"

@@ -11,7 +11,11 @@ with preemptions, finishes, output updates with async-scheduling
 reordering) and what it should not (duplicate finishes, finish before
 lookup, lookups repeated without allocation, preemption of a loading
 request, completions and job results for unknown, finished or still
-loading ids, preempted ids vLLM does not track).  Examples run over one
+loading ids, preempted ids vLLM does not track, allocation of a request
+whose lookup is still in flight).  Admission lookups run when a rule lets
+the lookup thread run (`lookups_return`), so their completions race
+aborts, finishes, preemptions and re-admissions; some expire first (a
+fake clock jumps past the lookup timeout).  Examples run over one
 or two tensor-parallel ranks (a worker and a KV shard each, results
 reported by each rank in its own step and aggregated as vLLM does); in
 some a third of the transfers fail (`tests.test_faults_vllm.Flaky`, which
@@ -27,6 +31,8 @@ Invariants, checked after every rule:
   pin exactly once (checked on vLLM's real block pool);
 - loaded blocks hold exactly the deterministic content of their hash;
 - a finished request leaves no tracker;
+- a lookup answer is None (held back) only for a waiting request, and a
+  request is held back at most until its lookup returns or expires;
 - at the end of each example, after draining: no tracker in either half,
   no open job, every pin released, every block free, no request left
   waiting for its KV.
@@ -78,6 +84,7 @@ from connector.scheduler import Role, SchedulerSide
 from connector.store import Regions
 from connector.vllm_connector import LifecycleWorkerMetadata, _StoreLookup
 from connector.worker import KVLayout, WorkerSide
+from lifecycle import Event
 from tests.test_faults_vllm import Flaky
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
@@ -275,6 +282,7 @@ class Ref:
     table_sent: bool = False
     ever_scheduled: bool = False
     load: TransferJob | None = None  # the load job vLLM awaits
+    unanswered: bool = False  # admitted while its lookup was in flight
 
     @property
     def req_id(self):
@@ -320,6 +328,7 @@ class OrderingFuzzer(RuleBasedStateMachine):
         self.jobs: dict[int, TransferJob] = {}
         self.next_id = 0
         self.runner = "v2"
+        self.now = 0.0  # the lookups' clock (seconds)
         self.recv_delivered = collections.Counter()
         self.send_delivered = collections.Counter()
         self.delayed: set[str] = set()
@@ -331,8 +340,13 @@ class OrderingFuzzer(RuleBasedStateMachine):
         self.tp = tp
         schemes, lookup = self.env.fresh_store(tp)
         self.side = SchedulerSide(
-            block_size=BS, role=Role.BOTH, lookup=lookup, world_size=tp
+            block_size=BS,
+            role=Role.BOTH,
+            lookup=lookup,
+            world_size=tp,
+            threaded_lookups=False,  # they run in `lookups_return`
         )
+        self.side.lookups.clock = lambda: self.now
         self.side.bind_block_pool(self.spy)
         self.workers = [
             WorkerSide(
@@ -438,20 +452,30 @@ class OrderingFuzzer(RuleBasedStateMachine):
         ext, load_async = self.side.get_num_new_matched_tokens(
             ref.request, local_tokens
         )
+        if ext is None:  # held back: the lookup runs off this thread
+            COVERAGE["lookups held back"] += 1
+            running = ref.status is not Status.WAITING and not ref.unanswered
+            if running or load_async:
+                self.violations.append(f"{ref.req_id}: None while running")
+            ref.lookup = None
+            return
         if ext < 0 or ext % BS or local_tokens + ext >= ref.length:
             self.violations.append(f"{ref.req_id}: bad hit {ext}")
         if load_async != (ext > 0):
             self.violations.append(f"{ref.req_id}: async flag {load_async}")
         if ref.status is Status.WAITING:
             ref.lookup = (local_tokens, ext)
+            COVERAGE["store hits answered"] += ext > 0
 
     @precondition(lambda self: self.live(Status.WAITING))
     @rule(n=st.integers(0, 50))
     def allocate(self, n):
-        """Admit a looked-up waiting request: blocks, then the hook."""
-        ids = [r for r in self.live(Status.WAITING) if self.refs[r].lookup]
-        if ids:
-            self.admit(self.pick(ids, n))
+        """Admit a waiting request: ask unless answered, blocks, the hook."""
+        ref = self.pick(self.live(Status.WAITING), n)
+        if not ref.lookup:
+            self.ask(ref, n % 3)
+        if ref.lookup:  # None: held back, its lookup is in flight
+            self.admit(ref)
 
     def admit(self, ref):
         """Allocate a looked-up request's blocks, then tell the connector."""
@@ -470,6 +494,25 @@ class OrderingFuzzer(RuleBasedStateMachine):
         ref.table_sent = False
         ref.status = Status.LOADING if ext else Status.RUNNING
 
+    @precondition(lambda self: self.side.lookups.queued)
+    @rule(expire=st.booleans())
+    def lookups_return(self, expire):
+        """The lookup thread runs the dispatched batches, maybe too late."""
+        if expire:
+            self.now += self.side.lookups.timeout_s + 1.0
+        self.side.lookups.run_pending()
+
+    @precondition(lambda self: self.live(Status.WAITING))
+    @rule(n=st.integers(0, 50))
+    def admit_unanswered(self, n):
+        """vLLM allocates a request whose lookup it has not had answered."""
+        ids = [r for r in self.live(Status.WAITING) if not self.refs[r].lookup]
+        if ids:
+            ref = self.pick(ids, n)
+            ref.lookup = (0, 0)
+            ref.unanswered = True  # until it is preempted or ends
+            self.admit(ref)
+
     @precondition(lambda self: len(self.outputs) < MAX_QUEUE)
     @rule(
         preempt=st.sets(st.integers(0, 50), max_size=2),
@@ -478,14 +521,32 @@ class OrderingFuzzer(RuleBasedStateMachine):
         collect=st.lists(st.booleans(), min_size=MAX_TP, max_size=MAX_TP),
         admit=st.integers(0, 3),
         local=st.integers(0, 2),
+        lookups=st.sampled_from([True, True, False]),
     )
-    def schedule(self, *, preempt, odd_preempt, chunk, collect, admit, local):
-        """One step: preempt, admit, build the metadata, run the worker."""
+    def schedule(
+        self, *, preempt, odd_preempt, chunk, collect, admit, local,
+        lookups=True,
+    ):  # fmt: skip
+        """One step: preempt, admit, build the metadata, run the worker.
+
+        With `lookups`, the lookup thread answers the step's lookups
+        during the forward pass; otherwise they wait for `lookups_return`.
+        """
         preempted = self.preempt(preempt, odd_preempt)
-        for req_id in self.live(Status.WAITING)[:admit]:
-            if req_id not in preempted:
-                self.ask(self.refs[req_id], local)
-                self.admit(self.refs[req_id])
+        # vLLM asks every waiting request (a held-back one gets None and
+        # is skipped) and admits what fits.
+        for req_id in self.live(Status.WAITING):
+            ref = self.refs[req_id]
+            if req_id in preempted:
+                continue
+            if admit <= 0:
+                if ref.lookup is None:
+                    self.ask(ref, local)
+                continue
+            self.ask(ref, local)
+            if ref.lookup:  # None: held back this step
+                self.admit(ref)
+                admit -= 1
         new_reqs, cached, scheduled = self.batch(chunk)
         so = SchedOut(
             scheduled_new_reqs=new_reqs,
@@ -496,6 +557,8 @@ class OrderingFuzzer(RuleBasedStateMachine):
         )
         self.finished_since_step.clear()
         meta = self.side.build_connector_meta(so)
+        if lookups:
+            self.side.lookups.run_pending()
         self.check_jobs(meta)
         self.execute(meta, scheduled, collect=collect)
 
@@ -752,6 +815,16 @@ class OrderingFuzzer(RuleBasedStateMachine):
             self.side.machine.illegal_counts.values()
         )
         COVERAGE["dropped reports"] += self.side.unexpected_reports
+        counts = self.side.lookup_counts
+        COVERAGE["lookups after a preemption"] += sum(
+            n
+            for (_, event), n in self.side.machine.stale_counts.items()
+            if event is Event.LOOKUP_DONE
+        )
+        COVERAGE["lookups answered"] += counts["answered"]
+        COVERAGE["lookups after their request ended"] += counts["ended"]
+        COVERAGE["lookups refused (stale or illegal)"] += counts["refused"]
+        COVERAGE["lookups expired"] += counts["timed_out"]
         COVERAGE["failed loads"] += sum(
             w.jobs_failed[JobKind.LOAD] for w in self.workers
         )
@@ -775,8 +848,11 @@ class OrderingFuzzer(RuleBasedStateMachine):
         while time.monotonic() < deadline:
             while self.outputs:
                 self.update("", "")
+            self.side.lookups.run_pending()
             if not (
-                self.side.open_jobs
+                self.side.pending_lookups
+                or self.side.lookups.completed
+                or self.side.open_jobs
                 or self.live(Status.HELD)
                 or self.finished_since_step  # the worker learns of them
             ):
@@ -792,6 +868,8 @@ class OrderingFuzzer(RuleBasedStateMachine):
         ]
         assert worker_left == [], worker_left
         assert self.side.open_jobs == 0
+        assert self.side.pending_lookups == 0
+        assert self.side.lookups.completed == 0
         assert self.spy.pinned == 0
         assert self.spy.touched == self.spy.freed
         assert self.pool.get_num_free_blocks() == NUM_BLOCKS - 1
@@ -844,6 +922,12 @@ COVERAGE_NEEDED = (
     "pins outlived their request",
     "failed loads",
     "examples over two ranks",
+    "lookups held back",
+    "lookups answered",
+    "lookups after their request ended",
+    "lookups refused (stale or illegal)",
+    "lookups after a preemption",
+    "lookups expired",
 )
 
 
@@ -867,7 +951,12 @@ def test_finish_between_alloc_and_meta_still_loads(env):
     fuzz = OrderingFuzzer(env)
     try:
         fuzz.add_request(family=0, length=64, reuse=1)
+        fuzz.lookup(n=0, local=0)  # held back: the lookup is dispatched
+        fuzz.step()  # at the end of the step
+        fuzz.update("", "")
+        fuzz.lookups_return(expire=False)
         fuzz.lookup(n=0, local=0)
+        assert fuzz.refs["r0"].lookup == (0, 48)
         fuzz.allocate(n=0)
         ref = fuzz.refs["r0"]
         assert ref.status is Status.LOADING

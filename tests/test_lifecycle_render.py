@@ -72,7 +72,7 @@ def test_live_diagram_weights_and_illegal_edges() -> None:
         counts=counts,
         illegal={(State.FINISHED, Event.FINISH): 2, (None, Event.ABORT): 1},
     )
-    assert "lookup\\nx9" in dot
+    assert "lookup\\nlookup_done\\nx9" in dot  # NEW -> NEW edge
     assert "penwidth=6.00" in dot
     assert 'FINISHED -> FINISHED [label="finish ✗2", style=dashed' in dot
     assert "__unknown -> __unknown" in dot

@@ -242,6 +242,10 @@ class Harness:
         check_every_step: run the content and block checks after each step.
         log_stats: let the scheduler build `SchedulerStats` (with the
             connector's `kv_connector_stats`) in its outputs.
+        settle_lookups_s: after each `schedule()`, wait at most this long
+            for the connector's admission lookups (a connector with a
+            `wait_for_lookups(timeout_s)` method), as the forward pass of
+            a real engine would; None never waits (benchmarks).
 
     """
 
@@ -264,6 +268,7 @@ class Harness:
         load_order: LoadOrder = "vllm",
         check_every_step: bool = True,
         log_stats: bool = False,
+        settle_lookups_s: float | None = 1.0,
     ) -> None:
         if model_runner not in ("v1", "v2"):
             msg = f"model_runner must be 'v1' or 'v2', not {model_runner!r}"
@@ -277,6 +282,7 @@ class Harness:
         self.load_order: LoadOrder = load_order
         self.check_every_step = check_every_step
         self.log_stats = log_stats
+        self.settle_lookups_s = settle_lookups_s
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_width = kv_width
@@ -631,6 +637,7 @@ class Harness:
         if self.scheduler.has_requests():
             with self._vllm_call("schedule()"):
                 scheduler_output = self.scheduler.schedule()
+            self._settle_lookups()
             scheduled = dict(scheduler_output.num_scheduled_tokens)
             preempted = frozenset(scheduler_output.preempted_req_ids or ())
             self.preempted.extend((self.num_steps, r) for r in preempted)
@@ -659,6 +666,11 @@ class Harness:
         return self._report(
             scheduled, preempted, executed, finished if updated else None
         )
+
+    def _settle_lookups(self) -> None:
+        wait = getattr(self.scheduler.connector, "wait_for_lookups", None)
+        if self.settle_lookups_s is not None and callable(wait):
+            wait(self.settle_lookups_s)
 
     def run_until_idle(
         self, max_steps: int = 1000, *, check: bool = True

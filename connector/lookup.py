@@ -1,0 +1,269 @@
+"""Admission lookups off the scheduler thread.
+
+vLLM's scheduler thread schedules every request of the engine, so the
+connector never asks the store from it.  The scheduler half *starts* a
+lookup (`AsyncLookups.start`), answers vLLM ``None`` ("cannot tell yet"),
+and at the end of the step hands every lookup started in it to one
+background thread as one batch (`dispatch`): one store call for the whole
+step.  The thread only fills in `PendingLookup.found` and marks it done;
+the scheduler half takes the answer on its own thread in a later call and
+turns it into the lifecycle's ``lookup_done`` event.
+
+Bounds: a lookup not done by its deadline is never waited for (the
+scheduler half answers 0 and the request computes locally); the thread
+skips lookups whose deadline passed before it got to them, so a stalled
+master costs one stalled store call, not one per queued lookup.
+
+No vLLM import, no store import: the store is reached through
+`BatchLookup`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Protocol
+
+import attrs
+
+log: Final = logging.getLogger(__name__)
+
+
+class BatchLookup(Protocol):
+    """Answers, for many prefixes at once, how much of each is stored."""
+
+    def hit_blocks_many(
+        self, prefixes: Sequence[Sequence[bytes]]
+    ) -> list[int]:
+        """Leading stored blocks of each prefix, in one store call."""
+
+
+@attrs.define(slots=True, eq=False)
+class PendingLookup:
+    """One request's lookup, from `start` until the scheduler takes it.
+
+    Attributes:
+        req_id: The request.
+        tracker: The request's tracker when the lookup started (a reused
+            request id gets a new tracker, so identity fences it).
+        epoch: The tracker's epoch when the lookup started.
+        hashes: The block hashes asked about.
+        deadline: `time.monotonic()` past which nobody waits for it.
+        found: Leading blocks stored (valid once `done`).
+        done: Set by the lookup thread once `found` is final.
+        expired: The thread skipped it (deadline passed, never sent).
+        abandoned: The scheduler half stopped waiting for it.
+        taken: The scheduler half consumed its answer.
+    """
+
+    req_id: str
+    tracker: Any
+    epoch: int
+    hashes: tuple[bytes, ...]
+    deadline: float
+    found: int = 0
+    done: bool = False
+    expired: bool = False
+    abandoned: bool = False
+    taken: bool = False
+
+    @property
+    def asked(self) -> int:
+        """Blocks asked about."""
+        return len(self.hashes)
+
+
+class AsyncLookups:
+    """Batches one step's lookups into one store call on a thread.
+
+    Args:
+        lookup: Returns the object that answers a batch; called at every
+            batch, so the answering object may be swapped (tests do).
+        timeout_s: How long a request may be held back for its lookup.
+        threaded: Run batches on a daemon thread (the default).  False
+            leaves them queued until `run_pending` (deterministic tests).
+        clock: Monotonic seconds.
+
+    Thread safety: `start`, `dispatch`, `take_completed` and `close` are
+    called from the scheduler thread only; the lookup thread only writes
+    `found`, `done` and `expired` of queued lookups and appends them to
+    the completed queue (a `collections.deque`, atomic under the GIL).
+    """
+
+    def __init__(
+        self,
+        lookup: Callable[[], BatchLookup],
+        *,
+        timeout_s: float,
+        threaded: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._lookup = lookup
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._batch: list[PendingLookup] = []
+        self._queue: collections.deque[list[PendingLookup] | None] = (
+            collections.deque()
+        )
+        self._completed: collections.deque[PendingLookup] = collections.deque()
+        self._wake = threading.Condition(threading.Lock())
+        self._idle = threading.Condition(threading.Lock())
+        self._running = 0  # batches queued or executing
+        self.batches = 0
+        self.store_calls = 0
+        self.failures = 0
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(
+                target=self._serve, name="kv-lookup", daemon=True
+            )
+            self._thread.start()
+
+    # -- scheduler thread ---------------------------------------------------
+
+    def start(
+        self, req_id: str, tracker: Any, epoch: int, hashes: Sequence[bytes]
+    ) -> PendingLookup:
+        """Queue a lookup into this step's batch (sent by `dispatch`)."""
+        pending = PendingLookup(
+            req_id,
+            tracker,
+            epoch,
+            tuple(hashes),
+            self.clock() + self.timeout_s,
+        )
+        self._batch.append(pending)
+        return pending
+
+    def dispatch(self) -> int:
+        """Hand this step's lookups to the lookup thread; how many."""
+        batch = self._batch
+        if not batch:
+            return 0
+        self._batch = []
+        self.batches += 1
+        with self._idle:
+            self._running += 1
+        with self._wake:
+            self._queue.append(batch)
+            self._wake.notify()
+        return len(batch)
+
+    def take_completed(self) -> list[PendingLookup]:
+        """Lookups the thread finished since the last call."""
+        done = self._completed
+        return [done.popleft() for _ in range(len(done))]
+
+    def run_pending(self) -> int:
+        """Run the queued batches on this thread (``threaded=False``)."""
+        ran = 0
+        while self._queue:
+            batch = self._queue.popleft()
+            if batch is not None:
+                self._execute(batch)
+                ran += 1
+        return ran
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Block until every dispatched batch ran, at most `timeout_s`.
+
+        For tests and harnesses that want one answer per step; the
+        connector itself never waits.
+        """
+        if self._thread is None:
+            self.run_pending()
+            return True
+        end = time.monotonic() + timeout_s
+        with self._idle:
+            while self._running:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    @property
+    def completed(self) -> int:
+        """Lookups finished and not yet taken."""
+        return len(self._completed)
+
+    @property
+    def queued(self) -> int:
+        """Batches dispatched and not finished."""
+        return self._running
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop the lookup thread (bounded; a stalled call is left)."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        with self._wake:
+            self._queue.append(None)
+            self._wake.notify()
+        thread.join(timeout_s)
+
+    # -- lookup thread ------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue:
+                    self._wake.wait()
+                batch = self._queue.popleft()
+            if batch is None:
+                return
+            self._execute(batch)
+
+    def _execute(self, batch: list[PendingLookup]) -> None:
+        try:
+            now = self.clock()
+            live = [p for p in batch if not p.abandoned and p.deadline > now]
+            for p in batch:
+                p.expired = not p.abandoned and p.deadline <= now
+            if live:
+                self.store_calls += 1
+                try:
+                    found = self._lookup().hit_blocks_many(
+                        [p.hashes for p in live]
+                    )
+                except Exception:
+                    self.failures += 1
+                    log.warning("admission lookup failed", exc_info=True)
+                    found = [0] * len(live)
+                for p, n in zip(live, found, strict=False):
+                    p.found = min(max(int(n), 0), p.asked)
+            for p in batch:
+                p.done = True
+            self._completed.extend(batch)
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()
+
+
+def hits_per_prefix(
+    flags: Sequence[bool], sizes: Sequence[int], shards: int
+) -> list[int]:
+    """Split one exists call's flags into each prefix's leading hit.
+
+    `flags` holds, for each of `shards` key schemes in turn, the flags of
+    every prefix's keys concatenated (prefix i has `sizes[i]` keys); a
+    block counts only if every shard holds it.
+    """
+    total = sum(sizes)
+    hits = []
+    start = 0
+    for n in sizes:
+        hit = n
+        for s in range(shards):
+            base = s * total + start
+            for j in range(hit):
+                if not flags[base + j]:
+                    hit = j
+                    break
+        hits.append(hit)
+        start += n
+    return hits

@@ -318,9 +318,7 @@ def measure(
             started = time.perf_counter()
             scheduler.update_from_output(so, output)
             total = sched_s + time.perf_counter() - started
-            decoding = len(so.num_scheduled_tokens) == n and (
-                so.total_num_scheduled_tokens == n
-            )
+            decoding = _settle_lookups(connector, so, n)
             running = running + 1 if decoding else 0
             if running > warmup:
                 step_s.append(total)
@@ -340,6 +338,19 @@ def measure(
             h.close()
         if server is not None:
             server.close()
+
+
+def _settle_lookups(connector: Any, so: Any, n: int) -> bool:
+    """Whether the step was steady decode; before it (not measured), let
+    admission lookups return, as the forward pass of an engine would.
+    """
+    decoding = len(so.num_scheduled_tokens) == n and (
+        so.total_num_scheduled_tokens == n
+    )
+    wait = getattr(connector, "wait_for_lookups", None)
+    if not decoding and callable(wait):
+        wait(1.0)
+    return bool(decoding)
 
 
 def _close_lookup_client(connector: Any) -> None:

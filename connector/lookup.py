@@ -30,6 +30,7 @@ from typing import Any, Final, Protocol
 import attrs
 
 log: Final = logging.getLogger(__name__)
+#: Longest `dispatch` lets an idle lookup thread run before going on.
 
 
 class BatchLookup(Protocol):
@@ -212,17 +213,28 @@ class AsyncLookups:
             with self._wake:
                 while not self._queue:
                     self._wake.wait()
-                batch = self._queue.popleft()
-            if batch is None:
+                # Everything queued at once: after a stalled call, one
+                # pass (and one store call) instead of one per step.
+                batches = list(self._queue)
+                self._queue.clear()
+            merged = [p for b in batches if b is not None for p in b]
+            self._execute(merged, len(batches))
+            if None in batches:
                 return
-            self._execute(batch)
 
-    def _execute(self, batch: list[PendingLookup]) -> None:
+    def _execute(self, batch: list[PendingLookup], batches: int = 1) -> None:
         try:
             now = self.clock()
-            live = [p for p in batch if not p.abandoned and p.deadline > now]
+            live = []
+            finished = []
             for p in batch:
-                p.expired = not p.abandoned and p.deadline <= now
+                if p.abandoned:  # the scheduler half took it already
+                    p.done = True
+                elif p.deadline <= now:
+                    p.expired = p.done = True
+                    finished.append(p)
+                else:
+                    live.append(p)
             if live:
                 self.store_calls += 1
                 try:
@@ -235,12 +247,12 @@ class AsyncLookups:
                     found = [0] * len(live)
                 for p, n in zip(live, found, strict=False):
                     p.found = min(max(int(n), 0), p.asked)
-            for p in batch:
-                p.done = True
-            self._completed.extend(batch)
+                    p.done = True
+                finished.extend(live)
+            self._completed.extend(finished)
         finally:
             with self._idle:
-                self._running -= 1
+                self._running -= batches
                 self._idle.notify_all()
 
 

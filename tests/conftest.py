@@ -26,6 +26,7 @@ from connector.errors import MasterBinaryNotFoundError
 from connector.master import EmbeddedMaster, find_binary
 from connector.store import Regions, StoreClient
 from tests.connector_helpers import store_extra
+from tests.scheduler_guard import SchedulerThreadGuard
 
 _MASTERS: list[EmbeddedMaster] = []
 
@@ -49,6 +50,19 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture(autouse=True)
+def scheduler_thread_guard():
+    """Every test: no scheduler-side hook may call the store.
+
+    See `tests.scheduler_guard`; a call is raised inside the hook and,
+    in case something swallowed it, fails the test here.
+    """
+    guard = SchedulerThreadGuard()
+    with guard.installed():
+        yield guard
+    assert guard.violations == [], guard.violations[:5]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,553 @@
+"""Admission cost on the scheduler thread, in vLLM 0.33's real `Scheduler`.
+
+``python -m benchmarks.admission --json`` runs the plain `Scheduler` (via
+`tests.vllm_harness`, no worker: `benchmarks.scheduler_step`'s stand-in
+worker reports every job of step k done in step k+1) with a running set
+of decoding requests, and adds bursts of N new requests at once (N = 64,
+256, 1024).  Half of each burst's prompts start with one of a few shared
+prefixes that are stored in a real embedded `mooncake_master` before the
+burst arrives; the other half are unique.  Four set-ups run side by side,
+the same requests, one after the other:
+
+- ``none``: no KV connector;
+- ``noop``: a connector whose hooks do nothing;
+- ``ours``: `MooncakeLifecycleConnector`, lookups against the master;
+- ``theirs``: vLLM 0.33's `MooncakeStoreConnector`; its lookup server is
+  `benchmarks.scheduler_step`'s ZMQ stand-in (answers 0 hits at once).
+
+Per (N, set-up), over the bursts: ``connector_us_per_admission`` (all time
+inside the connector's hooks, on the scheduler thread, from the burst's
+arrival until every request of the burst is scheduled, divided by N),
+``extra_steps_to_schedule`` (the most steps any request with a stored
+prefix waited past the step it arrived in, where ``none`` schedules the
+whole burst at once), and ``step_ms_p50``/``step_ms_p99`` over those
+steps (`schedule()` + `update_from_output()`).  Between the two, each
+step sleeps ``--forward-ms`` (1 ms by default, not timed) in place of the
+forward pass, during which an engine's thread releases the GIL: with no
+such pause a Python lookup thread only gets the GIL every 5 ms (the
+interpreter's switch interval), whatever the store's latency.
+
+The outage run (``ours`` only, its own master): requests keep arriving
+every step while the master is killed mid-run and restarted seconds later
+(past Mooncake's reconnect stall); ``max_connector_ms_in_a_step`` is the
+longest any one step spent inside the connector.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+from benchmarks.scheduler_step import (
+    _CLASSES,
+    HookTimer,
+    StandInWorker,
+    _close_lookup_client,
+    _extra_config,
+    _harness_class,
+    _model_output,
+    _theirs_server,
+)
+
+BURSTS = (64, 256, 1024)
+MODES = ("none", "noop", "ours", "theirs")
+RUNNING = 128
+REPEATS = 3
+PREFIXES = 8
+PREFIX_BLOCKS = 3
+BLOCK = 16
+GOAL_US = 30.0
+GOAL_EXTRA_STEPS = 1
+GOAL_OUTAGE_MS = 5.0
+FORWARD_MS = 1.0
+_MAX_STEPS = 50  # per burst, to be scheduled
+
+
+def _prefixes(seed: int) -> list[list[int]]:
+    rng = random.Random(f"prefixes/{seed}")
+    return [
+        [rng.randrange(500) for _ in range(PREFIX_BLOCKS * BLOCK)]
+        for _ in range(PREFIXES)
+    ]
+
+
+def _prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
+    """Half share a stored prefix; every prompt has a unique tail."""
+    tail = [rng.randrange(500) for _ in range(rng.randint(9, 40))]
+    if rng.random() < 0.5:
+        return [*rng.choice(prefixes), *tail]
+    return [rng.randrange(500) for _ in range(PREFIX_BLOCKS * BLOCK)] + tail
+
+
+class PrefixWriter:
+    """Stores blocks under the connector's keys (as another instance
+    would have saved them): a contributing client with a small buffer.
+    """
+
+    def __init__(self, master: Any, namespace: str) -> None:
+        import torch  # noqa: PLC0415
+
+        from connector.config import MiB, StoreConfig  # noqa: PLC0415
+        from connector.store import StoreClient  # noqa: PLC0415
+
+        self.client = StoreClient.open(
+            StoreConfig.for_master(
+                master, global_segment_size=64 * MiB, namespace=namespace
+            )
+        )
+        self._buffer = torch.zeros(4096, dtype=torch.uint8)
+        self.client.register_tensor(self._buffer)
+
+    def put(self, keys: list[str]) -> None:
+        from connector.store import Regions  # noqa: PLC0415
+
+        if keys:
+            ptr = self._buffer.data_ptr()
+            self.client.put(
+                keys, Regions.contiguous([ptr] * len(keys), [64] * len(keys))
+            )
+
+    def close(self) -> None:
+        self.client.unregister(self._buffer.data_ptr())
+        self.client.close()
+
+
+def _store_prefixes(
+    writer: PrefixWriter | None, connector: Any, requests: list[Any]
+) -> None:
+    """Store the shared-prefix blocks of `requests` (ours only)."""
+    if writer is None:
+        return
+    scheme = connector._keys  # noqa: SLF001 - the connector's own keys
+    keys = {
+        key
+        for r in requests
+        for key in scheme.keys(r.block_hashes[:PREFIX_BLOCKS])
+    }
+    writer.put(sorted(keys))
+
+
+class SlowestHook(HookTimer):
+    """`HookTimer` that also remembers its slowest single call."""
+
+    def __init__(self, connector: Any) -> None:
+        self.slowest = (0.0, "")
+        super().__init__(connector)
+
+    def _wrap(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        timed = super()._wrap(method)
+        name = getattr(method, "__name__", "?")
+
+        def slowest(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return timed(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - started
+                if took > self.slowest[0]:
+                    self.slowest = (took, name)
+
+        return slowest
+
+
+class Run:
+    """One harness in one set-up, stepping and timing."""
+
+    def __init__(
+        self,
+        mode: str,
+        master: Any,
+        tmp: str,
+        *,
+        capacity: int,
+        forward_s: float,
+    ) -> None:
+        self.mode = mode
+        self.forward_s = forward_s
+        self.extra = _extra_config(mode, master)
+        self.server = None
+        if mode == "theirs":
+            os.environ["VLLM_RPC_BASE_PATH"] = tmp
+            self.server = _theirs_server(self.extra, tmp)
+        harness_cls = _harness_class()
+        harness_cls.no_connector = mode == "none"
+        self.h = harness_cls(
+            _CLASSES[mode],
+            extra_config=self.extra,
+            num_blocks=capacity * 8 + 64,
+            max_num_seqs=capacity,
+            max_num_batched_tokens=capacity * 128,
+            max_model_len=1024,
+            check_every_step=False,
+            settle_lookups_s=None,
+        )
+        self.scheduler = self.h.scheduler
+        self.connector = self.scheduler.connector
+        self.timer = SlowestHook(self.connector) if self.connector else None
+        self.worker = StandInWorker(mode)
+        self.steps = 0
+        self.finished = 0
+
+    @property
+    def connector_s(self) -> float:
+        return self.timer.seconds if self.timer else 0.0
+
+    def add(self, req_id: str, tokens: list[int], max_tokens: int) -> Any:
+        self.h.add_request(req_id, tokens, max_tokens=max_tokens)
+        return self.scheduler.requests[req_id]
+
+    def step(self) -> tuple[float, set[str]]:
+        """One engine step; its time (s) and the requests it scheduled."""
+        self.steps += 1
+        started = time.perf_counter()
+        so = self.scheduler.schedule()
+        sched_s = time.perf_counter() - started
+        kv_output = self.worker.output(so)
+        output = _model_output(self.scheduler, so, kv_output)
+        if self.forward_s:
+            time.sleep(self.forward_s)  # the forward pass (not timed)
+        started = time.perf_counter()
+        self.scheduler.update_from_output(so, output)
+        total = sched_s + time.perf_counter() - started
+        self.finished += len(so.finished_req_ids)
+        admitted = {r.req_id for r in so.scheduled_new_reqs}
+        admitted |= self._loading()
+        return total, admitted
+
+    def _loading(self) -> set[str]:
+        from vllm.v1.request import RequestStatus  # noqa: PLC0415
+
+        waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+        return {
+            r.request_id
+            for r in self.scheduler.requests.values()
+            if r.status == waiting
+        }
+
+    def close(self) -> None:
+        _close_lookup_client(self.connector)
+        self.h.close()
+        if self.server is not None:
+            self.server.close()
+
+
+def measure(
+    mode: str,
+    burst: int,
+    *,
+    master: Any,
+    tmp: str,
+    writer: PrefixWriter | None,
+    repeats: int,
+    forward_s: float,
+) -> dict[str, Any]:
+    """Bursts of `burst` new requests on `RUNNING` decoding ones."""
+    rng = random.Random(burst)
+    prefixes = _prefixes(burst)
+    run = Run(
+        mode,
+        master,
+        tmp,
+        capacity=RUNNING + burst + 8,
+        forward_s=forward_s,
+    )
+    try:
+        for i in range(RUNNING):
+            run.add(f"run{i}", _prompt(rng, prefixes), 10_000)
+        for _ in range(8):  # the running set reaches steady decode
+            run.step()
+        per_admission: list[float] = []
+        extra_steps: list[int] = []
+        step_s: list[float] = []
+        for k in range(repeats):
+            before = run.connector_s
+            requests = [
+                run.add(f"b{k}-{i}", _prompt(rng, prefixes), 2)
+                for i in range(burst)
+            ]
+            stored = {
+                r.request_id
+                for r in requests
+                if r.prompt_token_ids[: len(prefixes[0])] in prefixes
+            }
+            _store_prefixes(
+                writer if mode == "ours" else None,
+                run.connector,
+                [r for r in requests if r.request_id in stored],
+            )
+            waiting = {r.request_id for r in requests}
+            waited: dict[str, int] = {}
+            for n in range(_MAX_STEPS):
+                took, admitted = run.step()
+                step_s.append(took)
+                for req_id in waiting & admitted:
+                    waited[req_id] = n
+                waiting -= admitted
+                if not waiting:
+                    break
+            if waiting:
+                msg = f"{mode} N={burst}: {len(waiting)} never scheduled"
+                raise RuntimeError(msg)
+            per_admission.append((run.connector_s - before) / burst)
+            extra_steps.append(max(waited[r] for r in stored))
+            for _ in range(4):  # the burst finishes (2 tokens each)
+                run.step()
+        return {
+            "arrivals": burst,
+            "mode": mode,
+            "connector_us_per_admission": round(
+                statistics.median(per_admission) * 1e6, 2
+            ),
+            "extra_steps_to_schedule": max(extra_steps),
+            "step_ms_p50": round(_pct(step_s, 50) * 1e3, 3),
+            "step_ms_p99": round(_pct(step_s, 99) * 1e3, 3),
+        }
+    finally:
+        run.close()
+
+
+def _pct(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))
+    return ordered[index]
+
+
+def loads(run: Run) -> int:
+    """Admissions with a store hit so far (ours)."""
+    from lifecycle import Event  # noqa: PLC0415
+
+    machine = run.connector.scheduler_side.machine
+    return sum(
+        n
+        for row, n in zip(
+            machine.table.rows, machine.row_counts(), strict=True
+        )
+        if row.event is Event.ALLOC_EXTERNAL
+    )
+
+
+def outage(
+    tmp: str,
+    *,
+    kill_at_s: float,
+    down_s: float,
+    tail_s: float,
+    forward_s: float,
+) -> dict[str, Any]:
+    """Ours with the master killed mid-run, then restarted."""
+    from connector import clients  # noqa: PLC0415
+    from connector.master import EmbeddedMaster  # noqa: PLC0415
+
+    rng = random.Random(7)
+    prefixes = _prefixes(7)
+    with EmbeddedMaster() as master:
+        namespace = uuid.uuid4().hex[:12]
+        writer = PrefixWriter(master, namespace)
+        run = Run("ours", master, tmp, capacity=256, forward_s=forward_s)
+        step_ms: list[float] = []
+        phase_hits = {"before": 0, "down": 0, "after": 0}
+
+        added = 0
+        try:
+            started = time.monotonic()
+            phase = "before"
+            restarted = False
+            while True:
+                now = time.monotonic() - started
+                if phase == "before" and now >= kill_at_s:
+                    master.kill()
+                    phase = "down"
+                elif phase == "down" and now >= kill_at_s + down_s:
+                    master.restart()
+                    restarted = True
+                    phase = "after"
+                elif phase == "after" and now >= kill_at_s + down_s + tail_s:
+                    break
+                before = run.connector_s
+                new = [
+                    run.add(f"o{added + i}", _prompt(rng, prefixes), 2)
+                    for i in range(4)
+                ]
+                added += len(new)
+                if phase != "down":
+                    _store_prefixes(writer, run.connector, new)
+                hits = loads(run)
+                run.step()
+                step_ms.append((run.connector_s - before) * 1e3)
+                phase_hits[phase] += loads(run) - hits
+            end = time.monotonic() + 30
+            while not run.h.is_idle() and time.monotonic() < end:
+                before = run.connector_s
+                run.step()
+                step_ms.append((run.connector_s - before) * 1e3)
+            finished = run.finished
+            slowest = run.timer.slowest if run.timer else (0.0, "")
+        finally:
+            run.close()
+            writer.close()
+            clients.close_all()  # before the master stops
+    return {
+        "mode": "ours",
+        "max_connector_ms_in_a_step": round(max(step_ms), 3),
+        "connector_ms_p99": round(_pct(step_ms, 99), 3),
+        "requests_finished": finished,
+        "requests": added,
+        "steps": len(step_ms),
+        "master_restarted": restarted,
+        "store_hits_by_phase": phase_hits,
+        "slowest_hook": {
+            "name": slowest[1],
+            "ms": round(slowest[0] * 1e3, 3),
+        },
+    }
+
+
+def run_all(
+    bursts: tuple[int, ...],
+    modes: tuple[str, ...],
+    repeats: int,
+    *,
+    with_outage: bool,
+    down_s: float,
+    forward_s: float,
+) -> dict[str, Any]:
+    """Every (burst, mode), then the outage run; the JSON document."""
+    from connector import clients  # noqa: PLC0415
+    from connector.master import EmbeddedMaster  # noqa: PLC0415
+
+    results: list[dict[str, Any]] = []
+    with (
+        EmbeddedMaster() as master,
+        tempfile.TemporaryDirectory(prefix="kvl-adm-") as tmp,
+    ):
+        writer = None
+        try:
+            for burst in bursts:
+                for mode in modes:
+                    if mode == "ours":
+                        writer = writer or PrefixWriter(master, "")
+                    try:
+                        results.append(
+                            measure(
+                                mode,
+                                burst,
+                                master=master,
+                                tmp=tmp,
+                                writer=writer,
+                                repeats=repeats,
+                                forward_s=forward_s,
+                            )
+                        )
+                    except Exception as exc:  # noqa: BLE001 - report it
+                        results.append(
+                            {"arrivals": burst, "mode": mode,
+                             "error": repr(exc)}
+                        )  # fmt: skip
+        finally:
+            if writer is not None:
+                writer.close()
+            clients.close_all()
+        doc: dict[str, Any] = {"results": results}
+        if with_outage:
+            doc["outage"] = outage(
+                tmp,
+                kill_at_s=1.0,
+                down_s=down_s,
+                tail_s=2.0,
+                forward_s=forward_s,
+            )
+    ours = [r for r in results if r.get("mode") == "ours" and "error" not in r]
+    goal: dict[str, Any] = {
+        "max_us_per_admission": GOAL_US,
+        "max_extra_steps": GOAL_EXTRA_STEPS,
+        "max_outage_ms": GOAL_OUTAGE_MS,
+    }
+    if ours:
+        goal["met_us"] = all(
+            r["connector_us_per_admission"] <= GOAL_US for r in ours
+        )
+        goal["met_steps"] = all(
+            r["extra_steps_to_schedule"] <= GOAL_EXTRA_STEPS for r in ours
+        )
+    if "outage" in doc:
+        goal["met_outage"] = (
+            doc["outage"]["max_connector_ms_in_a_step"] <= GOAL_OUTAGE_MS
+            and doc["outage"]["requests_finished"] == doc["outage"]["requests"]
+        )
+    doc["goal"] = goal
+    doc["running"] = RUNNING
+    doc["repeats"] = repeats
+    doc["forward_ms"] = forward_s * 1e3
+    doc["cpus"] = os.cpu_count()
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print JSON with `--json`, a table otherwise."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument(
+        "--arrivals",
+        type=int,
+        action="append",
+        help=f"burst size (repeatable; default {list(BURSTS)})",
+    )
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument(
+        "--down-s",
+        type=float,
+        default=6.0,
+        help="seconds the master stays dead in the outage run",
+    )
+    parser.add_argument(
+        "--forward-ms",
+        type=float,
+        default=FORWARD_MS,
+        help="a sleep per step standing in for the forward pass (the "
+        "GIL is free meanwhile, as in an engine); not timed",
+    )
+    parser.add_argument(
+        "--no-outage", action="store_true", help="skip the outage run"
+    )
+    args = parser.parse_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes: {sorted(unknown)}")
+    logging.basicConfig(level=logging.ERROR)
+    doc = run_all(
+        tuple(args.arrivals or BURSTS),
+        modes,
+        args.repeats,
+        with_outage=not args.no_outage,
+        down_s=args.down_s,
+        forward_s=args.forward_ms / 1e3,
+    )
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        for row in doc["results"]:
+            print(row)
+        print(doc.get("outage"))
+        print(doc["goal"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

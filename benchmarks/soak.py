@@ -13,6 +13,13 @@ trackers and RSS at the start, at a checkpoint and at the end of the run
 The goal: no crash, no leaked tracker or block, no mismatch, and RSS
 growth under 5 % from the checkpoint (10k requests by default) to the
 end.  Needs vLLM 0.33 and the `mooncake_master` binary.
+
+The same run first replays the same requests (same seed, concurrency and
+aborts) through two instances with a no-op connector in a child process
+(``--connector noop``; ``--no-baseline`` skips it) and reports its RSS
+growth over the same interval next to ours: growth that both show is
+vLLM's, the harness's or the allocator's, not the connector's.  The
+goal adds: ours grows at most `BASELINE_SLACK_PTS` points more.
 """
 
 from __future__ import annotations
@@ -22,14 +29,17 @@ import json
 import logging
 import os
 import resource
+import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from demo.workload import Session
 
 RSS_GOAL_PCT = 5.0
+BASELINE_SLACK_PTS = 0.5
+NOOP: Final = "tests.reference_connectors.NoopConnector"
 _STATUS = Path("/proc/self/status")
 
 
@@ -64,6 +74,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="finished requests before the master restart "
         "(default: a third of the requests)",
     )
+    parser.add_argument(
+        "--connector",
+        choices=("ours", "noop"),
+        default="ours",
+        help="noop: only the no-op baseline (what the child process runs)",
+    )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the no-op connector baseline",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     if args.requests < 4:
@@ -73,6 +94,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.restart_after is None:
         args.restart_after = args.requests // 3
     return args
+
+
+def store_mb(session: Session) -> float | None:
+    """MiB the master has allocated for stored objects (its metrics)."""
+    import urllib.request  # noqa: PLC0415
+
+    try:
+        with urllib.request.urlopen(  # noqa: S310 - loopback master
+            session.master.metrics_url, timeout=2
+        ) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("master_allocated_bytes "):
+            return _mb(int(float(line.split()[1])))
+    return None
 
 
 class Probe:
@@ -89,6 +127,7 @@ class Probe:
         self.trackers_checkpoint: int | None = None
         self.peak_trackers = 0
         self.hits_at_restart: int | None = None
+        self.store_checkpoint: float | None = None
 
     def __call__(self, session: Session) -> None:
         trackers = session.live_trackers
@@ -96,6 +135,7 @@ class Probe:
         if self.rss_checkpoint is None and session.finished >= self.checkpoint:
             self.rss_checkpoint = rss_bytes()
             self.trackers_checkpoint = trackers
+            self.store_checkpoint = store_mb(session)
         if self.hits_at_restart is None and session.master_restarts:
             self.hits_at_restart = _store_hits(session)
         if session.finished >= self._next_line:
@@ -144,6 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rss_start = rss_bytes()
             report = session.run(probe)
             rss_end = rss_bytes()
+            store_end = store_mb(session)
             hits_end = _store_hits(session)
         finally:
             session.close()
@@ -182,6 +223,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "end": _mb(rss_end),
             "after_close": _mb(rss_closed),
         },
+        "store_allocated_mb": {
+            "checkpoint": probe.store_checkpoint,
+            "end": store_end,
+        },
         "checkpoint_requests": args.checkpoint,
         "rss_growth_checkpoint_to_end_pct": None
         if growth is None
@@ -212,10 +257,176 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _growth(checkpoint: int | None, end: int) -> float | None:
+    if not checkpoint:
+        return None
+    return round(100.0 * (end - checkpoint) / checkpoint, 2)
+
+
+class NoopSession:
+    """The workload's requests through a no-op connector, two instances.
+
+    Same specs, concurrency, B's warm-up and abort schedule as
+    `demo.workload.Session` (no store, so no load faults or restart).
+    """
+
+    def __init__(self, requests: int, seed: int) -> None:
+        from demo.workload import (  # noqa: PLC0415
+            WorkloadConfig,
+            request_specs,
+        )
+        from tests.vllm_harness import Harness  # noqa: PLC0415
+
+        config = WorkloadConfig(requests=requests, seed=seed)
+        self.config = config
+        total_b = round(config.requests * config.share_b)
+        self.counts = {"A": config.requests - total_b, "B": total_b}
+        roles = {"A": "kv_producer", "B": "kv_consumer"}
+        self.harnesses = {
+            name: Harness(
+                NOOP,
+                kv_role=roles[name],  # type: ignore[arg-type]
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                kv_width=config.kv_width,
+                max_num_seqs=config.max_num_seqs,
+            )
+            for name in ("A", "B")
+        }
+        self.specs = {
+            n: request_specs(config, n, self.counts[n]) for n in self.harnesses
+        }
+        self.live: dict[str, set[str]] = {n: set() for n in self.harnesses}
+        self.submitted = dict.fromkeys(self.harnesses, 0)
+        self.done = dict.fromkeys(self.harnesses, 0)
+        self.aborts: list[tuple[int, str, str, bool]] = []
+        self.tick = 0
+
+    @property
+    def finished(self) -> int:
+        """Requests finished, both instances."""
+        return sum(self.done.values())
+
+    def _admit(self, name: str) -> None:
+        import heapq  # noqa: PLC0415
+
+        config, h = self.config, self.harnesses[name]
+        if name == "B" and self.done["A"] < config.warmup:
+            return
+        while (
+            self.submitted[name] < self.counts[name]
+            and len(self.live[name]) < config.concurrency
+        ):
+            spec = next(self.specs[name])
+            h.add_request(spec.req_id, spec.prompt, spec.max_tokens)
+            self.live[name].add(spec.req_id)
+            self.submitted[name] += 1
+            if spec.abort_after:
+                due = self.tick + spec.abort_after
+                item = (due, spec.req_id, name, spec.abort_in_flight)
+                heapq.heappush(self.aborts, item)
+
+    def step(self) -> None:
+        """One tick: admit, abort what is due, step each busy instance."""
+        import heapq  # noqa: PLC0415
+
+        self.tick += 1
+        for name in self.harnesses:
+            self._admit(name)
+        while self.aborts and self.aborts[0][0] <= self.tick:
+            _, req_id, name, in_flight = heapq.heappop(self.aborts)
+            request = self.harnesses[name].requests.get(req_id)
+            if request is not None and not request.is_finished():
+                self.harnesses[name].abort(req_id, in_flight=in_flight)
+        for name, h in self.harnesses.items():
+            if not h.is_idle():
+                h.step()
+            for gone in h.forget_finished():
+                self.live[name].discard(gone.req_id)
+                self.done[name] += 1
+
+    def close(self) -> None:
+        """Shut both instances down."""
+        for h in self.harnesses.values():
+            h.close()
+
+
+def run_noop(args: argparse.Namespace) -> dict[str, Any]:
+    """`NoopSession` to the end; RSS at its start, checkpoint and end."""
+    from demo.workload import single_threaded_torch  # noqa: PLC0415
+
+    rss_checkpoint = None
+    with single_threaded_torch():
+        session = NoopSession(args.requests, args.seed)
+        try:
+            rss_start = rss_bytes()
+            while session.finished < args.requests:
+                session.step()
+                if rss_checkpoint is None and (
+                    session.finished >= args.checkpoint
+                ):
+                    rss_checkpoint = rss_bytes()
+            rss_end = rss_bytes()
+        finally:
+            session.close()
+    return {
+        "connector": "noop",
+        "requests": args.requests,
+        "completed": session.finished,
+        "rss_mb": {
+            "start": _mb(rss_start),
+            "checkpoint": _mb(rss_checkpoint),
+            "end": _mb(rss_end),
+        },
+        "rss_growth_checkpoint_to_end_pct": _growth(rss_checkpoint, rss_end),
+    }
+
+
+def _baseline(args: argparse.Namespace) -> dict[str, Any]:
+    """`run_noop` in a child process (its own heap), parsed."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.soak",
+        "--connector",
+        "noop",
+        "--json",
+        "--requests",
+        str(args.requests),
+        "--seed",
+        str(args.seed),
+        "--checkpoint",
+        str(args.checkpoint),
+    ]
+    out = subprocess.run(  # noqa: S603 - our own module
+        cmd, capture_output=True, text=True, check=False, timeout=7200
+    )
+    try:
+        result: dict[str, Any] = json.loads(out.stdout)
+    except ValueError:
+        tail = out.stderr.strip().splitlines()[-5:]
+        return {"connector": "noop", "error": "\n".join(tail)}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
+    if args.connector == "noop":
+        noop = run_noop(args)
+        print(json.dumps(noop, indent=2))
+        return 0
+    baseline = None if args.no_baseline else _baseline(args)
     result = run(args)
+    if baseline is not None:
+        result["noop_baseline"] = baseline
+        theirs = baseline.get("rss_growth_checkpoint_to_end_pct")
+        ours = result["rss_growth_checkpoint_to_end_pct"]
+        if theirs is not None and ours is not None:
+            result["growth_over_noop_pts"] = round(ours - theirs, 2)
+            result["goal_met"] = bool(
+                result["goal_met"] and ours - theirs <= BASELINE_SLACK_PTS
+            )
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -802,7 +802,7 @@ class Session:
             worker_illegal=dict(worker_illegal),
             worker_stale=dict(worker_stale),
             preemptions=self.preemptions,
-            resumed=sum(len(i.harness.resumed) for i in self.instances),
+            resumed=sum(i.harness.num_resumed for i in self.instances),
             loads=self._transfers[Op.GET],
             saves=self._transfers[Op.PUT],
             lookups=self._transfers[Op.EXISTS],

@@ -70,7 +70,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Self, cast
+from typing import TYPE_CHECKING, Any, Final, Literal, Self, cast
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -97,6 +97,9 @@ _VOCAB_SIZE = 512
 _HASH_MOD = (1 << 61) - 1
 _VALUE_MOD = 65521  # values stay exact in float32
 _MAX_FAILURES_PER_CHECK = 5
+
+
+HISTORY: Final = 1000  # preemptions and resumes kept for inspection
 
 
 def vllm_available() -> bool:
@@ -293,8 +296,16 @@ class Harness:
         self.failures: list[str] = []
         self.requests: dict[str, Request] = {}
         self.finished_status: dict[str, str] = {}
-        self.preempted: list[tuple[int, str]] = []
-        self.resumed: list[tuple[int, str, str]] = []
+        # The latest preemptions and resumes (step, id[, how]); bounded, so
+        # a long run (the soak) does not grow with every one.
+        self.preempted: collections.deque[tuple[int, str]] = collections.deque(
+            maxlen=HISTORY
+        )
+        self.resumed: collections.deque[tuple[int, str, str]] = (
+            collections.deque(maxlen=HISTORY)
+        )
+        self.num_resumed = 0
+        self._num_preemptions = 0
         self.external_hits: collections.Counter[str] = collections.Counter()
         self.num_steps = 0
         self.num_updates = 0
@@ -526,7 +537,7 @@ class Harness:
     @property
     def num_preemptions(self) -> int:
         """Preemptions seen in `SchedulerOutput.preempted_req_ids`."""
-        return len(self.preempted)
+        return self._num_preemptions
 
     def finished_by_status(self) -> collections.Counter[str]:
         """Count finished requests by their final `RequestStatus` name."""
@@ -641,6 +652,7 @@ class Harness:
             scheduled = dict(scheduler_output.num_scheduled_tokens)
             preempted = frozenset(scheduler_output.preempted_req_ids or ())
             self.preempted.extend((self.num_steps, r) for r in preempted)
+            self._num_preemptions += len(preempted)
             self._awaiting_resume |= preempted
             executed = self._execute(scheduler_output)
             self._batch_queue.appendleft((scheduler_output, executed))
@@ -899,6 +911,7 @@ class Harness:
         if req_id in self._awaiting_resume:
             self._awaiting_resume.discard(req_id)
             self.resumed.append((self.num_steps, req_id, how))
+            self.num_resumed += 1
 
     def _adopt_tokens(
         self, req_id: str, tokens: Sequence[int], what: str

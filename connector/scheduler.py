@@ -272,31 +272,48 @@ class SchedulerSide:
             tracker.block_ids = list(new.block_ids[0])
             done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._maybe_save(tracker, done, jobs)
-        cached = so.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
-        bs = self.block_size
-        for i, req_id in enumerate(cached.req_ids):
-            found = self.registry.get(req_id)
-            if found is None:
-                continue
-            tracker = found
-            new_ids = cached.new_block_ids[i]
-            if req_id in resumed:
-                # A resume replaces the block table (vLLM #46595).
-                self.registry.fire_on(tracker, Event.RESUME)
-                tracker.block_ids = list(new_ids[0]) if new_ids else []
-            elif new_ids:
-                tracker.block_ids.extend(new_ids[0])
-            if tracker.num_saved_tokens + bs > tracker.num_prompt_tokens:
-                continue  # prompt saved (decode): `_maybe_save` would no-op
-            done = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
-            self._maybe_save(tracker, done, jobs)
+        self._cached_reqs(so.scheduled_cached_reqs, scheduled, jobs)
         return ConnectorMeta(
             step=self._step,
             jobs=tuple(jobs),
             preempted=tuple(preempted),
             finished=frozenset(so.finished_req_ids),
         )
+
+    def _cached_reqs(
+        self, cached: Any, scheduled: Any, jobs: list[TransferJob]
+    ) -> None:
+        """Block table updates, resumes and saves of running requests.
+
+        The hot loop of a steady decode: one dict lookup and a few slot
+        reads per request whose prompt is saved.
+        """
+        resumed = cached.resumed_req_ids
+        bs = self.block_size
+        get = self.registry.get
+        for req_id, new_ids, computed in zip(
+            cached.req_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            strict=True,
+        ):
+            tracker = get(req_id)
+            if tracker is None:
+                continue
+            if resumed and req_id in resumed:
+                # A resume replaces the block table (vLLM #46595).
+                self.registry.fire_on(tracker, Event.RESUME)
+                tracker.block_ids = list(new_ids[0]) if new_ids else []
+            elif tracker.num_saved_tokens + bs > tracker.num_prompt_tokens:
+                # Prompt saved (decode): no save is left to issue, so the
+                # table is not needed until a resume replaces it.
+                continue
+            elif new_ids:
+                tracker.block_ids.extend(new_ids[0])
+            if tracker.num_saved_tokens + bs > tracker.num_prompt_tokens:
+                continue  # prompt saved: `_maybe_save` would no-op
+            done = computed + scheduled.get(req_id, 0)
+            self._maybe_save(tracker, done, jobs)
 
     def request_finished(
         self, request: Any, block_ids: list[int]

@@ -278,11 +278,12 @@ class StatsSource:
         data = _empty()
         if self._machine is not None:
             self._take_lifecycle(self._machine, data)
-        if self._store is not None:
+        if self._store is not None and self._store.recorded:
             snapshot = self._store.snapshot(reset=True)
             data["store"] = {
                 op.value: _op_figures(s) for op, s in snapshot.items() if s.ops
             }
+        if self._store is not None:
             trips = self._store.breaker_trips
             if trips != self._trips:
                 data["breaker_trips"] = trips - self._trips

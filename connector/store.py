@@ -627,10 +627,17 @@ class StoreStats:
         self._lock = threading.Lock()
         self._ops = {op: OpStats() for op in Op}
         self.breaker_trips = 0
+        self._recorded = False
+
+    @property
+    def recorded(self) -> bool:
+        """Whether a call was recorded since the last reset (lock-free)."""
+        return self._recorded
 
     def record(self, result: BatchResult, failed: int) -> None:
         """Account one call; ``failed`` = number of non-OK keys."""
         with self._lock:
+            self._recorded = True
             stats = self._ops[result.op]
             stats.ops += 1
             stats.keys += len(result.outcomes)
@@ -655,6 +662,7 @@ class StoreStats:
             snap = {op: s.copy() for op, s in self._ops.items()}
             if reset:
                 self._ops = {op: OpStats() for op in Op}
+                self._recorded = False
             return snap
 
     def __getitem__(self, op: Op) -> OpStats:

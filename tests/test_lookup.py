@@ -1,0 +1,162 @@
+"""Admission lookups off the scheduler thread (pure unit tests).
+
+`SchedulerSide` with a fake batch lookup, lookups run by hand
+(``threaded_lookups=False``) and a fake clock: None while in flight, one
+store call per step, bounded hold-back (time and count), and completions
+that race an abort or a preemption.  The real-store and real-scheduler
+paths are covered by `test_scheduler_guard.py`, the fuzzer and the
+real-scheduler scenarios.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.lookup import hits_per_prefix
+from connector.scheduler import Role, SchedulerSide
+from lifecycle import Event, LifecycleMachine, State
+
+BS = 16
+
+
+class FakeLookup:
+    """Every prefix is stored for `stored` blocks; records each call."""
+
+    def __init__(self, stored: int = 2) -> None:
+        self.stored = stored
+        self.calls: list[int] = []
+
+    def hit_blocks_many(self, prefixes):
+        self.calls.append(len(prefixes))
+        return [min(self.stored, len(p)) for p in prefixes]
+
+
+class Req:
+    def __init__(self, req_id: str, blocks: int = 4) -> None:
+        self.request_id = req_id
+        self.block_hashes = [bytes([i + 1]) * 8 for i in range(blocks)]
+        self.num_prompt_tokens = blocks * BS + 1
+        self.num_tokens = self.num_prompt_tokens
+        self.status = "WAITING"
+
+
+class Cached:
+    req_ids: tuple[str, ...] = ()
+    new_block_ids: tuple[object, ...] = ()
+    num_computed_tokens: tuple[int, ...] = ()
+    resumed_req_ids: frozenset[str] = frozenset()
+
+
+class Step:
+    def __init__(self, preempted=()) -> None:
+        self.preempted_req_ids = set(preempted)
+        self.scheduled_new_reqs = ()
+        self.num_scheduled_tokens = {}
+        self.scheduled_cached_reqs = Cached()
+        self.finished_req_ids = set()
+
+
+@pytest.fixture
+def clock():
+    return [0.0]
+
+
+def make(clock, **kwargs) -> tuple[SchedulerSide, FakeLookup]:
+    lookup = FakeLookup()
+    side = SchedulerSide(
+        block_size=BS,
+        role=Role.BOTH,
+        lookup=lookup,
+        machine=LifecycleMachine(strict=True),
+        threaded_lookups=False,
+        **kwargs,
+    )
+    side.lookups.clock = lambda: clock[0]
+    return side, lookup
+
+
+def test_none_until_the_lookup_returns_then_the_hit(clock):
+    side, lookup = make(clock)
+    a, b = Req("a"), Req("b")
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    assert side.get_num_new_matched_tokens(b, 0) == (None, False)
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    assert lookup.calls == []  # nothing sent from the hook
+    side.build_connector_meta(Step())
+    assert lookup.calls == []  # dispatched, not yet run
+    side.lookups.run_pending()
+    assert lookup.calls == [2]  # one store call for the step's lookups
+    assert side.get_num_new_matched_tokens(a, 0) == (32, True)
+    assert side.get_num_new_matched_tokens(b, 16) == (16, True)
+    assert side.get_num_new_matched_tokens(a, 0) == (32, True)  # cached
+    assert lookup.calls == [2]
+    assert side.pending_lookups == 0
+    assert side.lookup_counts["answered"] == 2
+
+
+def test_held_back_at_most_the_timeout_then_a_miss(clock):
+    side, lookup = make(clock, lookup_timeout_s=0.05)
+    a = Req("a")
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    side.build_connector_meta(Step())
+    clock[0] = 0.049
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    clock[0] = 0.051  # the store never answered: compute locally
+    assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+    assert side.lookup_counts["timed_out"] == 1
+    side.lookups.run_pending()  # the late answer is dropped
+    side.build_connector_meta(Step())
+    assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+    assert side.pending_lookups == 0
+    assert side.lookups.completed == 0
+
+
+def test_at_most_max_pending_held_back(clock):
+    side, _ = make(clock, max_pending=2)
+    answers = [
+        side.get_num_new_matched_tokens(Req(f"r{i}"), 0) for i in range(3)
+    ]
+    assert answers == [(None, False), (None, False), (0, False)]
+    assert side.pending_lookups == 2
+    assert side.lookup_counts["over_limit"] == 1
+
+
+def test_a_lookup_returning_after_an_abort_is_dropped(clock):
+    side, _ = make(clock)
+    a = Req("a")
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    side.build_connector_meta(Step())
+    a.status = "FINISHED_ABORTED"
+    side.request_finished(a, [])
+    assert "a" not in side.registry
+    side.lookups.run_pending()
+    side.build_connector_meta(Step())  # takes the completion
+    assert side.lookup_counts["ended"] == 1
+    assert side.pending_lookups == 0
+    # The id is reused by a new request: it gets its own lookup.
+    again = Req("a", blocks=3)
+    assert side.get_num_new_matched_tokens(again, 0) == (None, False)
+
+
+def test_a_lookup_from_before_a_preemption_is_stale(clock):
+    side, _ = make(clock)
+    a = Req("a")
+    tracker = side.registry.get_or_create("a")
+    side.registry.fire_on(tracker, Event.ALLOC_LOCAL)  # running
+    # A lookup of epoch 0 in flight (vLLM asked while it waited).
+    side._pending["a"] = side.lookups.start("a", tracker, 0, [b"x" * 8])
+    side.build_connector_meta(Step(preempted=["a"]))  # epoch 1, RESET
+    assert tracker.state is State.RESET
+    side.lookups.run_pending()
+    side.build_connector_meta(Step())
+    assert side.machine.stale_counts[(State.RESET, Event.LOOKUP_DONE)] == 1
+    assert side.lookup_counts["refused"] == 1
+    assert tracker.lookup_key == (-1, -1)  # nothing cached from epoch 0
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+
+
+def test_hits_per_prefix_needs_every_shard():
+    # Two prefixes (2 and 3 keys) over two shards.
+    flags = [True, True, True, False, True] + [True, False, True, True, True]
+    assert hits_per_prefix(flags, [2, 3], 2) == [1, 1]
+    assert hits_per_prefix([True] * 5, [2, 3], 1) == [2, 3]

@@ -95,7 +95,7 @@ def test_none_until_the_lookup_returns_then_the_hit(clock):
 
 
 def test_held_back_at_most_the_timeout_then_a_miss(clock):
-    side, lookup = make(clock, lookup_timeout_s=0.05)
+    side, _ = make(clock, lookup_timeout_s=0.05)
     a = Req("a")
     assert side.get_num_new_matched_tokens(a, 0) == (None, False)
     side.build_connector_meta(Step())
@@ -157,6 +157,8 @@ def test_a_lookup_from_before_a_preemption_is_stale(clock):
 
 def test_hits_per_prefix_needs_every_shard():
     # Two prefixes (2 and 3 keys) over two shards.
-    flags = [True, True, True, False, True] + [True, False, True, True, True]
+    shard0 = [True, True, True, False, True]
+    shard1 = [True, False, True, True, True]
+    flags = [*shard0, *shard1]
     assert hits_per_prefix(flags, [2, 3], 2) == [1, 1]
     assert hits_per_prefix([True] * 5, [2, 3], 1) == [2, 3]

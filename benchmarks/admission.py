@@ -29,7 +29,8 @@ interpreter's switch interval), whatever the store's latency.
 
 The outage run (``ours`` only, its own master): requests keep arriving
 every step while the master is killed mid-run and restarted seconds later
-(past Mooncake's reconnect stall); ``max_connector_ms_in_a_step`` is the
+(past Mooncake's reconnect stall); ``outage_sigstop`` does the same with
+the master SIGSTOPped, then continued; ``max_connector_ms_in_a_step`` is the
 longest any one step spent inside the connector (wall time on the
 scheduler thread, including any wait for the GIL; the thread's CPU time
 inside the hooks is reported next to it).
@@ -358,8 +359,9 @@ def outage(
     down_s: float,
     tail_s: float,
     forward_s: float,
+    fault: str = "kill",
 ) -> dict[str, Any]:
-    """Ours with the master killed mid-run, then restarted."""
+    """Ours with the master killed (or SIGSTOPped) mid-run, then back."""
     from connector import clients  # noqa: PLC0415
     from connector.master import EmbeddedMaster  # noqa: PLC0415
 
@@ -380,10 +382,10 @@ def outage(
             while True:
                 now = time.monotonic() - started
                 if phase == "before" and now >= kill_at_s:
-                    master.kill()
+                    master.kill() if fault == "kill" else master.pause()
                     phase = "down"
                 elif phase == "down" and now >= kill_at_s + down_s:
-                    master.restart()
+                    master.restart() if fault == "kill" else master.resume()
                     restarted = True
                     phase = "after"
                 elif phase == "after" and now >= kill_at_s + down_s + tail_s:
@@ -415,6 +417,7 @@ def outage(
             clients.close_all()  # before the master stops
     return {
         "mode": "ours",
+        "fault": fault,
         "max_connector_ms_in_a_step": round(max(step_ms), 3),
         "connector_ms_p99": round(_pct(step_ms, 99), 3),
         "max_connector_cpu_ms_in_a_step": round(max(cpu_ms), 3),
@@ -483,6 +486,14 @@ def run_all(
                 down_s=down_s,
                 tail_s=2.0,
                 forward_s=forward_s,
+            )
+            doc["outage_sigstop"] = outage(
+                tmp,
+                kill_at_s=1.0,
+                down_s=down_s,
+                tail_s=2.0,
+                forward_s=forward_s,
+                fault="pause",
             )
     ours = [r for r in results if r.get("mode") == "ours" and "error" not in r]
     goal: dict[str, Any] = {

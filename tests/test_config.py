@@ -8,7 +8,14 @@ import logging
 import attrs
 import pytest
 
-from connector.config import GiB, KiB, MiB, StoreConfig, parse_size
+from connector.config import (
+    GiB,
+    KiB,
+    LookupConfig,
+    MiB,
+    StoreConfig,
+    parse_size,
+)
 from connector.errors import ConfigError
 
 BASE = {
@@ -311,3 +318,37 @@ def test_size_units_are_binary():
     """Like vLLM, ``GB`` means GiB."""
     assert parse_size("k", "1GB") == parse_size("k", "1GiB") == GiB
     assert parse_size("k", "1KB") == KiB
+
+
+def test_lookup_bounds_default_and_parse() -> None:
+    assert LookupConfig.from_extra_config({}) == LookupConfig(50, 4096)
+    got = LookupConfig.from_extra_config(
+        {"lookup_timeout_ms": 20, "lookup_max_pending": 8}
+    )
+    assert got == LookupConfig(20, 8)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("lookup_timeout_ms", 0),
+        ("lookup_timeout_ms", "50"),
+        ("lookup_max_pending", -1),
+        ("lookup_max_pending", True),
+    ],
+)
+def test_bad_lookup_bound_names_its_key(key: str, value: object) -> None:
+    with pytest.raises(ConfigError) as caught:
+        LookupConfig.from_extra_config({key: value})
+    assert caught.value.key == key
+
+
+def test_lookup_keys_are_not_store_keys() -> None:
+    config = StoreConfig.from_extra_config(
+        {
+            "master_server_address": "127.0.0.1:50051",
+            "metadata_server": "P2PHANDSHAKE",
+            "lookup_timeout_ms": 20,
+        }
+    )
+    assert config.master_server_address == "127.0.0.1:50051"

@@ -67,6 +67,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     import attrs  # noqa: PLC0415
 
     from connector.config import (  # noqa: PLC0415
+        LookupConfig,
         StoreConfig,
         TraceConfig,
         parse_size,
@@ -79,6 +80,9 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     trace = TraceConfig()
     expected["lifecycle_trace"] = trace.path
     expected["lifecycle_trace_max_events"] = trace.max_events
+    lookups = LookupConfig()
+    expected["lookup_timeout_ms"] = lookups.timeout_ms
+    expected["lookup_max_pending"] = lookups.max_pending
     assert set(rows) == set(expected)
     for key, (default, meaning) in rows.items():
         assert meaning

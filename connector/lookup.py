@@ -204,7 +204,8 @@ class AsyncLookups:
         with self._wake:
             self._queue.append(None)
             self._wake.notify()
-        thread.join(timeout_s)
+        if thread is not threading.current_thread():
+            thread.join(timeout_s)
 
     # -- lookup thread ------------------------------------------------------
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any, Final, Protocol
 
@@ -77,6 +78,18 @@ class _OneByOne:
         self, prefixes: Sequence[Sequence[bytes]]
     ) -> list[int]:
         return [self.lookup.hit_blocks(p) for p in prefixes]
+
+
+@attrs.frozen
+class _NoLookup:
+    """Answers every prefix with a miss (after the half was dropped)."""
+
+    def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        del block_hashes
+        return 0
+
+
+_NO_LOOKUP: Final = _NoLookup()
 
 
 def _batching(lookup: Any) -> BatchLookup:
@@ -175,11 +188,22 @@ class SchedulerSide:
             self.machine, RequestTracker
         )
         self._lookup = lookup
+        side = weakref.ref(self)
+
+        def answering() -> BatchLookup:
+            # Read at every batch (tests swap `_lookup`); weakly, so the
+            # lookup thread never keeps a dropped scheduler half alive.
+            me = side()
+            found = me._lookup if me is not None else _NO_LOOKUP  # noqa: SLF001
+            return _batching(found)
+
         self.lookups = AsyncLookups(
-            lambda: _batching(self._lookup),
+            answering,
             timeout_s=lookup_timeout_s,
             threaded=threaded_lookups,
         )
+        # A scheduler half dropped without `close()` stops its thread.
+        weakref.finalize(self, self.lookups.close, 0.0)
         self.max_pending = max_pending
         self._pending: dict[str, PendingLookup] = {}
         self.lookup_counts: collections.Counter[str] = collections.Counter()

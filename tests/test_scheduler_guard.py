@@ -39,6 +39,8 @@ class _Out:
 
         class _Cached:
             req_ids = ()
+            new_block_ids = ()
+            num_computed_tokens = ()
             resumed_req_ids = ()
 
         self.scheduled_cached_reqs = _Cached()

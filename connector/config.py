@@ -94,6 +94,7 @@ CONNECTOR_KEYS: Final = frozenset(
         "mooncake_config_path",
         "lifecycle_trace",
         "lifecycle_trace_max_events",
+        "failed_load_ttl_s",
     }
 )
 # Keys that vLLM's or Mooncake's own loaders understand but this client

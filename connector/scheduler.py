@@ -22,6 +22,7 @@ from typing import Any, Final, Protocol
 
 import attrs
 
+from connector.failed_keys import FailedKeys
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from lifecycle import Event, LifecycleMachine, Registry, State, Tracker
 
@@ -98,6 +99,15 @@ class _OpenJob:
     failed: int = 0
 
 
+def _failed_hashes(job: TransferJob, invalid: frozenset[int]) -> list[bytes]:
+    """The hashes of a load's blocks that vLLM was told failed."""
+    return [
+        h
+        for b, h in zip(job.block_ids, job.block_hashes, strict=True)
+        if b in invalid
+    ]
+
+
 def _status_name(request: Any) -> str:
     status = getattr(request, "status", None)
     return str(getattr(status, "name", status))
@@ -112,6 +122,8 @@ class SchedulerSide:
         lookup: How to ask the store for a prefix.
         world_size: Ranks that must report a job before it is settled.
         machine: The lifecycle machine (strict in tests).
+        failed_keys: Memory of blocks whose load failed (peer death):
+            lookups stop short of them until the master forgets them.
     """
 
     def __init__(
@@ -122,6 +134,7 @@ class SchedulerSide:
         lookup: HitLookup,
         world_size: int = 1,
         machine: LifecycleMachine | None = None,
+        failed_keys: FailedKeys | None = None,
     ) -> None:
         if block_size <= 0:
             msg = f"block_size must be positive, got {block_size}"
@@ -134,6 +147,7 @@ class SchedulerSide:
             self.machine, RequestTracker
         )
         self._lookup = lookup
+        self.failed_keys = failed_keys or FailedKeys()
         self._pool: BlockPool | None = None
         self._open: dict[int, _OpenJob] = {}
         self._next_job = 0
@@ -157,11 +171,13 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """External tokens loadable beyond vLLM's local hit, loaded async.
 
         Block-aligned; a full hit leaves the last block to recompute.
         Idempotent: vLLM repeats the call every step the request waits.
+        None: a block of the hit is being loaded for another request;
+        vLLM asks again next step (`connector.failed_keys`).
         """
         tracker = self.registry.get_or_create(request.request_id)
         if not self.registry.fire_on(tracker, Event.LOOKUP):
@@ -171,6 +187,8 @@ class SchedulerSide:
         tracker.num_tokens = request.num_tokens
         tracker.num_local_tokens = num_computed_tokens
         hit = self._hit_tokens(tracker, request.num_tokens)
+        if hit is None:
+            return None, False  # a block of the hit is being loaded
         external = max(hit - num_computed_tokens, 0)
         return external, external > 0
 
@@ -268,9 +286,14 @@ class SchedulerSide:
         """
         report = getattr(output, "kv_connector_worker_meta", None)
         results = getattr(report, "results", ()) if report else ()
+        invalid = frozenset(getattr(output, "invalid_block_ids", None) or ())
         settled: set[str] = set()
         for result in results:
             job = self._settle(result.job_id, result.ok, result.failed)
+            if job is not None and job[0].kind is JobKind.LOAD:
+                self.failed_keys.loaded(
+                    job[0].block_hashes, _failed_hashes(job[0], invalid)
+                )
             if job is not None and self._finish_job(job):
                 settled.add(job[0].req_id)
         recving = set(output.finished_recving or ())
@@ -294,14 +317,22 @@ class SchedulerSide:
         """Jobs issued and not yet settled on every rank."""
         return len(self._open)
 
-    def _hit_tokens(self, tracker: RequestTracker, num_tokens: int) -> int:
+    def _hit_tokens(
+        self, tracker: RequestTracker, num_tokens: int
+    ) -> int | None:
         if tracker.load_failures:
             return 0
         bs = self.block_size
         asked = min(len(tracker.block_hashes), max(num_tokens - 1, 0) // bs)
         key = (tracker.epoch, asked)
         if tracker.lookup_key != key:
-            found = self._lookup.hit_blocks(tracker.block_hashes[:asked])
+            hashes = tracker.block_hashes[:asked]
+            clipped = self.failed_keys.clip(
+                hashes, self._lookup.hit_blocks(hashes)
+            )
+            if clipped is None:
+                return None
+            found = clipped
             tracker.num_hit_tokens = min(max(found, 0), asked) * bs
             tracker.lookup_key = key
         return tracker.num_hit_tokens
@@ -354,6 +385,7 @@ class SchedulerSide:
         last = first + tracker.num_external_tokens // bs
         job = self._new_job(JobKind.LOAD, tracker, first, last)
         tracker.load_job = job.job_id
+        self.failed_keys.loading(job.block_hashes)
         return job
 
     def _maybe_save(

@@ -433,17 +433,25 @@ class OrderingFuzzer(RuleBasedStateMachine):
         self.ask(self.pick(ids, n), local)
 
     def ask(self, ref, local):
-        """`get_num_new_matched_tokens` as vLLM calls it."""
+        """`get_num_new_matched_tokens` as vLLM calls it; False: not
+        determined yet (vLLM skips the request this step)."""
         local_tokens = min(local * BS, (ref.length - 1) // BS * BS)
         ext, load_async = self.side.get_num_new_matched_tokens(
             ref.request, local_tokens
         )
+        if ext is None:  # a block is being loaded: vLLM asks next step
+            if load_async:
+                self.violations.append(f"{ref.req_id}: async flag on None")
+            if ref.status is Status.WAITING:
+                ref.lookup = None
+            return False
         if ext < 0 or ext % BS or local_tokens + ext >= ref.length:
             self.violations.append(f"{ref.req_id}: bad hit {ext}")
         if load_async != (ext > 0):
             self.violations.append(f"{ref.req_id}: async flag {load_async}")
         if ref.status is Status.WAITING:
             ref.lookup = (local_tokens, ext)
+        return True
 
     @precondition(lambda self: self.live(Status.WAITING))
     @rule(n=st.integers(0, 50))
@@ -483,8 +491,7 @@ class OrderingFuzzer(RuleBasedStateMachine):
         """One step: preempt, admit, build the metadata, run the worker."""
         preempted = self.preempt(preempt, odd_preempt)
         for req_id in self.live(Status.WAITING)[:admit]:
-            if req_id not in preempted:
-                self.ask(self.refs[req_id], local)
+            if req_id not in preempted and self.ask(self.refs[req_id], local):
                 self.admit(self.refs[req_id])
         new_reqs, cached, scheduled = self.batch(chunk)
         so = SchedOut(

@@ -320,6 +320,8 @@ class _NodeState:
                 "clipped": memory.clipped,
                 "forgotten": memory.forgotten,
                 "expired": memory.expired,
+                "deferred": memory.deferred,
+                "slow": memory.slow,
                 "size": memory.size,
             },
             "failed_blocks_of_failed_loads": dict(self.partial[key]),

@@ -18,7 +18,8 @@ being loaded by another request, and the caller asks again next step
 (vLLM's "lookup not determined yet").  One load per block is in flight
 per instance; when it succeeds, the waiting request hits the blocks in
 vLLM's own prefix cache or loads them; when it fails, it is clipped.
-A load in flight longer than `max_wait_s` no longer holds others back.
+A load in flight for longer than `max_wait_s` is suspect: `clip` cuts
+the hit before its blocks (recompute now) instead of waiting for it.
 
 An entry is forgotten:
 
@@ -52,7 +53,9 @@ DEFAULT_TTL_S: Final = 15.0
 """Mooncake's default ``client_ttl`` (10 s) plus the ~1 s the master
 takes to drop a dead client's keys, plus margin."""
 DEFAULT_CAPACITY: Final = 65_536
-DEFAULT_MAX_WAIT_S: Final = 10.0
+DEFAULT_MAX_WAIT_S: Final = 0.5
+"""A healthy load of a prefix takes milliseconds to a few hundred (TCP);
+one against a dead peer about a second."""
 
 
 @attrs.frozen
@@ -67,6 +70,7 @@ class FailedStats:
         expired: Entries dropped after `ttl_s`.
         evicted: Entries dropped beyond `capacity`.
         deferred: Lookups answered None (a block's load in flight).
+        slow: Lookups cut before a block loading for over `max_wait_s`.
         size: Entries held now.
         in_flight: Blocks being loaded now.
     """
@@ -78,6 +82,7 @@ class FailedStats:
     expired: int = 0
     evicted: int = 0
     deferred: int = 0
+    slow: int = 0
     size: int = 0
     in_flight: int = 0
 
@@ -116,6 +121,7 @@ class FailedKeys:
         # key -> (loads in flight, when the oldest began)
         self._loading: dict[Hashable, tuple[int, float]] = {}
         self._deferred = 0
+        self._slow = 0
         self._lock = threading.Lock()
         # key -> expiry; insertion order is expiry order (one ttl for all).
         self._until: collections.OrderedDict[Hashable, float] = (
@@ -177,10 +183,11 @@ class FailedKeys:
 
         `keys` are the keys asked, in prefix order; the store said the
         first `found` of them exist.  Returns the number of leading keys
-        up to the first remembered one (at most `found`), or None while
-        one of those is being loaded (ask again later).  If none of them
-        is remembered and the key at `found` (the lookup's first miss)
-        is, the master has forgotten it: so is the entry.
+        up to the first remembered one, or the first one whose load has
+        been in flight for `max_wait_s` (at most `found`), or None while
+        one of those is being loaded more briefly (ask again later).  If
+        none of them is remembered and the key at `found` (the lookup's
+        first miss) is, the master has forgotten it: so is the entry.
         """
         found = max(0, min(found, len(keys)))
         with self._lock:
@@ -193,9 +200,13 @@ class FailedKeys:
                     self._blocks_clipped += found - i
                     return i
                 loading = self._loading.get(key)
-                if loading is not None and now - loading[1] < self.max_wait_s:
+                if loading is None:
+                    continue
+                if now - loading[1] < self.max_wait_s:
                     self._deferred += 1
                     return None
+                self._slow += 1
+                return i
             if found < len(keys) and keys[found] in self._until:
                 del self._until[keys[found]]
                 self._forgotten += 1
@@ -213,6 +224,7 @@ class FailedKeys:
                 expired=self._expired,
                 evicted=self._evicted,
                 deferred=self._deferred,
+                slow=self._slow,
                 size=len(self._until),
                 in_flight=len(self._loading),
             )

@@ -123,9 +123,15 @@ def test_load_in_flight_success_releases_and_overlapping_loads_count():
     assert b"a" not in memory
 
 
-def test_a_stuck_load_stops_deferring_after_max_wait():
+def test_a_slow_load_is_suspect_after_max_wait():
+    """Past `max_wait_s` the others recompute instead of waiting."""
     clock = Clock()
     memory = FailedKeys(ttl_s=10, max_wait_s=5, clock=clock)
-    memory.loading([b"a"])
-    clock.now += 5.1
-    assert memory.clip([b"a"], 1) == 1
+    memory.loading([b"b"])
+    clock.now += 4.9
+    assert memory.clip([b"a", b"b"], 2) is None
+    clock.now += 0.2
+    assert memory.clip([b"a", b"b"], 2) == 1
+    assert memory.stats().slow == 1
+    memory.loaded([b"b"])
+    assert memory.clip([b"a", b"b"], 2) == 2

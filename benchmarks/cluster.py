@@ -123,7 +123,11 @@ class Cluster:
         return nodes
 
     def close(self, *, keep_logs: bool = False) -> None:
-        """Stop every node, then every master (bounded)."""
+        """Stop every node (all at once), then every master (bounded)."""
+        for node in self.nodes:
+            with contextlib.suppress(OSError):
+                if node.alive:
+                    node.send("quit")
         for node in self.nodes:
             node.close()
         for master in self.masters:
@@ -382,7 +386,7 @@ def replica2(
         "loads_failed_after_death": _sum(after, "loads_failed"),
     }
     detail = {
-        "requests": requests_in(after),
+        "requests": requests_in(after) + requests_in(later),
         "finished": finished(after) + finished(later),
         "mismatches": mismatches(after, loads)
         + mismatches(later, later_loads),

@@ -19,7 +19,8 @@ being loaded by another request, and the caller asks again next step
 per instance; when it succeeds, the waiting request hits the blocks in
 vLLM's own prefix cache or loads them; when it fails, it is clipped.
 A load in flight for longer than `max_wait_s` is suspect: `clip` cuts
-the hit before its blocks (recompute now) instead of waiting for it.
+the hit before its blocks (recompute now) instead of waiting for it; one
+in flight for `ttl_s` (it never ended) is forgotten.
 
 An entry is forgotten:
 
@@ -201,6 +202,9 @@ class FailedKeys:
                     return i
                 loading = self._loading.get(key)
                 if loading is None:
+                    continue
+                if now - loading[1] >= self.ttl_s:  # never ended: drop it
+                    del self._loading[key]
                     continue
                 if now - loading[1] < self.max_wait_s:
                     self._deferred += 1

@@ -97,9 +97,10 @@ class _OpenJob:
     pinned: list[Any]
     ok: int = 0
     failed: int = 0
+    invalid: set[int] = attrs.Factory(set)
 
 
-def _failed_hashes(job: TransferJob, invalid: frozenset[int]) -> list[bytes]:
+def _failed_hashes(job: TransferJob, invalid: set[int]) -> list[bytes]:
     """The hashes of a load's blocks that vLLM was told failed."""
     return [
         h
@@ -289,10 +290,14 @@ class SchedulerSide:
         invalid = frozenset(getattr(output, "invalid_block_ids", None) or ())
         settled: set[str] = set()
         for result in results:
+            open_job = self._open.get(result.job_id)
+            if open_job is not None:  # ranks may report in different steps
+                open_job.invalid |= invalid
             job = self._settle(result.job_id, result.ok, result.failed)
-            if job is not None and job[0].kind is JobKind.LOAD:
+            if open_job and job and job[0].kind is JobKind.LOAD:
                 self.failed_keys.loaded(
-                    job[0].block_hashes, _failed_hashes(job[0], invalid)
+                    job[0].block_hashes,
+                    _failed_hashes(job[0], open_job.invalid),
                 )
             if job is not None and self._finish_job(job):
                 settled.add(job[0].req_id)

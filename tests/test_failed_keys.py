@@ -6,10 +6,13 @@ The memory against a real dead peer is tested in `tests/test_cluster.py`.
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 from connector.failed_keys import FailedKeys
+from connector.metadata import JobResult
+from connector.scheduler import Role, SchedulerSide
 
 
 class Clock:
@@ -135,3 +138,79 @@ def test_a_slow_load_is_suspect_after_max_wait():
     assert memory.stats().slow == 1
     memory.loaded([b"b"])
     assert memory.clip([b"a", b"b"], 2) == 2
+
+
+def test_a_load_that_never_ends_is_forgotten_after_ttl():
+    clock = Clock()
+    memory = FailedKeys(ttl_s=10, max_wait_s=1, clock=clock)
+    memory.loading([b"a"])
+    clock.now += 10
+    assert memory.clip([b"a"], 1) == 1
+    assert memory.stats().in_flight == 0
+
+
+# -- the scheduler half's call sites, with plain objects for vLLM's --------
+
+
+class Lookup:
+    def hit_blocks(self, hashes):
+        return len(hashes)
+
+
+def request(req_id, hashes):
+    return SimpleNamespace(
+        request_id=req_id,
+        block_hashes=list(hashes),
+        num_prompt_tokens=4 * len(hashes) + 1,
+        num_tokens=4 * len(hashes) + 1,
+        status=SimpleNamespace(name="WAITING"),
+    )
+
+
+def step_output():
+    cached = SimpleNamespace(
+        req_ids=[], resumed_req_ids=set(), new_block_ids=[]
+    )
+    return SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[],
+        num_scheduled_tokens={},
+        scheduled_cached_reqs=cached,
+        finished_req_ids=set(),
+    )
+
+
+def report(job_id, invalid):
+    return SimpleNamespace(
+        kv_connector_worker_meta=SimpleNamespace(
+            results=[JobResult(job_id, failed=1)]
+        ),
+        invalid_block_ids=set(invalid),
+        finished_recving=None,
+        finished_sending=None,
+    )
+
+
+def test_scheduler_remembers_failed_blocks_reported_by_every_rank():
+    """TP 2: the ranks report a failed load in different steps; the block
+    rank 0 failed is remembered, and a request waits while it loads."""
+    side = SchedulerSide(
+        block_size=4, role=Role.CONSUMER, lookup=Lookup(), world_size=2
+    )
+    first = request("r1", [b"a", b"b"])
+    side.on_new_request(first)
+    assert side.get_num_new_matched_tokens(first, 0) == (8, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],))
+    side.update_state_after_alloc(first, blocks, 8)
+    (job,) = side.build_connector_meta(step_output()).jobs
+
+    second = request("r2", [b"a", b"b"])
+    side.on_new_request(second)
+    assert side.get_num_new_matched_tokens(second, 0) == (None, False)
+
+    side.update_connector_output(report(job.job_id, {6}))  # rank 0
+    assert side.get_num_new_matched_tokens(second, 0) == (None, False)
+    side.update_connector_output(report(job.job_id, set()))  # rank 1
+    assert b"b" in side.failed_keys
+    assert b"a" not in side.failed_keys
+    assert side.get_num_new_matched_tokens(second, 0) == (4, True)

@@ -5,7 +5,7 @@ STAMP := .venv/.bootstrapped
 REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh)
 PYTEST_ARGS ?=
 
-.PHONY: all venv venv-e2e e2e unit-e2e bench-ttft test lint typecheck diagrams diagrams-check unit fuzz demo bench bench-scheduler soak clean
+.PHONY: all venv venv-e2e e2e unit-e2e bench-ttft cluster bench-cluster test lint typecheck diagrams diagrams-check unit fuzz demo bench bench-scheduler soak clean
 
 all: test
 
@@ -49,6 +49,15 @@ bench: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) -m benchmarks.soak --requests 20000 --json
+
+# Cluster tier: instance processes (vLLM 0.33's scheduler + worker +
+# segment each) on shared masters. `make test` runs its fast subset
+# (tests/test_cluster.py::test_peer_death_and_restart); this runs all.
+cluster: $(STAMP)
+	KV_CLUSTER=1 $(PY) -m pytest tests/test_cluster.py tests/test_failed_keys.py $(PYTEST_ARGS)
+
+bench-cluster: $(STAMP)
+	$(PY) -m benchmarks.cluster --json
 
 bench-scheduler: $(STAMP)
 	$(PY) -m benchmarks.scheduler_step --json

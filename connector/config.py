@@ -96,6 +96,7 @@ CONNECTOR_KEYS: Final = frozenset(
         "lifecycle_trace_max_events",
         "lookup_timeout_ms",
         "lookup_max_pending",
+        "failed_load_ttl_s",
     }
 )
 # Keys that vLLM's or Mooncake's own loaders understand but this client

@@ -33,6 +33,7 @@ from typing import Any, Final, Protocol
 
 import attrs
 
+from connector.failed_keys import FailedKeys
 from connector.lookup import AsyncLookups, BatchLookup, PendingLookup
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from lifecycle import Event, LifecycleMachine, Registry, State, Tracker
@@ -141,6 +142,16 @@ class _OpenJob:
     pinned: list[Any]
     ok: int = 0
     failed: int = 0
+    invalid: set[int] = attrs.Factory(set)
+
+
+def _failed_hashes(job: TransferJob, invalid: set[int]) -> list[bytes]:
+    """The hashes of a load's blocks that vLLM was told failed."""
+    return [
+        h
+        for b, h in zip(job.block_ids, job.block_hashes, strict=True)
+        if b in invalid
+    ]
 
 
 def _status_name(request: Any) -> str:
@@ -163,6 +174,8 @@ class SchedulerSide:
         max_pending: Most requests held back for lookups at once.
         threaded_lookups: Run lookups on a thread (False: only when
             `lookups.run_pending()` is called, for deterministic tests).
+        failed_keys: Memory of blocks whose load failed (peer death):
+            lookups stop short of them until the master forgets them.
     """
 
     def __init__(
@@ -176,6 +189,7 @@ class SchedulerSide:
         lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
         max_pending: int = MAX_PENDING_LOOKUPS,
         threaded_lookups: bool = True,
+        failed_keys: FailedKeys | None = None,
     ) -> None:
         if block_size <= 0:
             msg = f"block_size must be positive, got {block_size}"
@@ -207,6 +221,7 @@ class SchedulerSide:
         self.max_pending = max_pending
         self._pending: dict[str, PendingLookup] = {}
         self.lookup_counts: collections.Counter[str] = collections.Counter()
+        self.failed_keys = failed_keys or FailedKeys()
         self._pool: BlockPool | None = None
         self._open: dict[int, _OpenJob] = {}
         self._next_job = 0
@@ -365,9 +380,18 @@ class SchedulerSide:
         """
         report = getattr(output, "kv_connector_worker_meta", None)
         results = getattr(report, "results", ()) if report else ()
+        invalid = frozenset(getattr(output, "invalid_block_ids", None) or ())
         settled: set[str] = set()
         for result in results:
+            open_job = self._open.get(result.job_id)
+            if open_job is not None:  # ranks may report in different steps
+                open_job.invalid |= invalid
             job = self._settle(result.job_id, result.ok, result.failed)
+            if open_job and job and job[0].kind is JobKind.LOAD:
+                self.failed_keys.loaded(
+                    job[0].block_hashes,
+                    _failed_hashes(job[0], open_job.invalid),
+                )
             if job is not None and self._finish_job(job):
                 settled.add(job[0].req_id)
         recving = set(output.finished_recving or ())
@@ -450,7 +474,8 @@ class SchedulerSide:
         mine = (pending.epoch, pending.asked) == key
         if pending.tracker is tracker and mine:
             if pending.done:
-                self._settle_lookup(pending)
+                if not self._settle_lookup(pending):
+                    return  # deferred: looked up again by the caller
             elif self.lookups.clock() >= pending.deadline:
                 self._drop_lookup(pending, "timed_out")
             else:
@@ -483,12 +508,15 @@ class SchedulerSide:
             del self._pending[pending.req_id]
         self.lookup_counts[why] += 1
 
-    def _settle_lookup(self, pending: PendingLookup) -> None:
+    def _settle_lookup(self, pending: PendingLookup) -> bool:
         """Fire `lookup_done` for a finished lookup; cache its answer.
 
         A lookup whose request ended (finish, abort; its id maybe reused
         by a new request) is counted and dropped; one from an older epoch
-        (preemption) is counted stale by the machine.
+        (preemption) is counted stale by the machine.  Returns False when
+        the answer is deferred (a block of the hit is being loaded for
+        another request: `connector.failed_keys`); the request is then
+        looked up again, and nothing is cached.
         """
         pending.taken = True
         if self._pending.get(pending.req_id) is pending:
@@ -496,27 +524,35 @@ class SchedulerSide:
         tracker: RequestTracker = pending.tracker
         if self.registry.get(pending.req_id) is not tracker:
             self.lookup_counts["ended"] += 1
-            return
+            return True
         if pending.expired:
             self.lookup_counts["timed_out"] += 1
         if not self.registry.fire_on(
             tracker, Event.LOOKUP_DONE, epoch=pending.epoch
         ):
             self.lookup_counts["refused"] += 1
-            return
+            return True
         found = self.found_blocks(pending)
+        if found is None:
+            self.lookup_counts["deferred"] += 1
+            return False
         self._answer(
             tracker, (pending.epoch, pending.asked), found * self.block_size
         )
         self.lookup_counts["answered"] += 1
+        return True
 
-    def found_blocks(self, pending: PendingLookup) -> int:
+    def found_blocks(self, pending: PendingLookup) -> int | None:
         """Leading blocks of a finished lookup the request may load.
 
-        The one place a looked-up answer is read: a filter on the keys
-        looked up (e.g. keys that failed to load) belongs here.
+        The one place a looked-up answer is read.  The failed-load memory
+        cuts it before the first block whose load failed (a dead peer's
+        key the master still lists), or answers None while a block of it
+        is being loaded for another request.
         """
-        return 0 if pending.expired else pending.found
+        if pending.expired:
+            return 0
+        return self.failed_keys.clip(pending.hashes, pending.found)
 
     def _mark_stored_prefix(self, tracker: RequestTracker) -> None:
         tracker.num_saved_tokens = max(
@@ -566,6 +602,7 @@ class SchedulerSide:
         last = first + tracker.num_external_tokens // bs
         job = self._new_job(JobKind.LOAD, tracker, first, last)
         tracker.load_job = job.job_id
+        self.failed_keys.loading(job.block_hashes)
         return job
 
     def _maybe_save(

@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connector import clients
 from connector.config import LookupConfig, StoreConfig, TraceConfig
 from connector.errors import ConfigError
+from connector.failed_keys import DEFAULT_TTL_S, FailedKeys
 from connector.keys import KeyScheme, Layout
 from connector.lookup import hits_per_prefix
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
@@ -138,6 +139,22 @@ def _open_trace(
     return writer
 
 
+def _failed_load_ttl_s(extra: dict[str, Any]) -> float:
+    """``failed_load_ttl_s``: how long a failed load's blocks are skipped.
+
+    Size it to the master's ``client_ttl`` + 1 s (default 15 s).
+    """
+    key = "failed_load_ttl_s"
+    value = extra.get(key, DEFAULT_TTL_S)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not value > 0
+    ):
+        raise ConfigError(key, value, "expected a positive number of seconds")
+    return float(value)
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed import (  # noqa: PLC0415 - needs a worker
@@ -204,6 +221,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
                     world_size=parallel.world_size,
                     lookup_timeout_s=lookups.timeout_ms / 1000,
                     max_pending=lookups.max_pending,
+                    failed_keys=FailedKeys(_failed_load_ttl_s(extra)),
                 )
             self._trace = _open_trace(trace, self._scheduler)
         except BaseException:

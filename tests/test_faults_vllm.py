@@ -197,24 +197,32 @@ class TestMasterFaults:
 
 class TestStoreFaults:
     def test_store_full_skips_saves(self, faulty):
-        """A full store rejects saves; requests finish, nothing leaks.
+        """The real master refuses saves (-200) past a 16 MiB segment.
 
-        The real master evicts unleased objects within moments, so a full
-        segment is transient; `Full` answers Mooncake's -200 past a fixed
-        capacity, deterministically.
+        Sixteen 512-token prompts of 256 KiB blocks save twice the
+        segment's 64 blocks as fast as the harness steps: the master
+        answers STORE_FULL while its eviction catches up.  Refused
+        saves are counted under STORE_FULL; requests finish, nothing
+        leaks, no wrong KV.  (`tests/test_cluster.py` fills a pool of
+        several instances.)
         """
         _, make = faulty
-        h = make(num_blocks=40)
+        h = make(
+            num_blocks=48,
+            block_size=64,
+            kv_width=512,  # 64 x 512 x 4 B x 2 layers = 256 KiB blocks
+            max_num_batched_tokens=1024,
+            extra={"global_segment_size": "16MiB"},
+        )
         worker = h.worker_connector.worker_side
-        full = Full(worker._store, capacity=6)
-        worker._store = full
-        for i in range(6):
-            h.add_request(f"r{i}", prompt(200 + i, 64), max_tokens=2)
-        drive(h)
-        assert full.rejected >= 1
+        refused = count_store_full(h.worker_connector)
+        for i in range(16):
+            h.add_request(f"r{i}", prompt(200 + i, 512), max_tokens=2)
+        drive(h, deadline_s=120.0)
+        assert refused["keys"] >= 1
         assert worker.jobs_failed[JobKind.SAVE] >= 1
         assert worker.jobs_done[JobKind.SAVE] >= 1
-        assert h.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 6}
+        assert h.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 16}
         assert_clean(h)
 
     @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -291,27 +299,18 @@ def scribble(regions, i):
         ctypes.memset(ptr, 0x5A, size)
 
 
-class Full:
-    """A store that holds `capacity` blocks, then answers STORE_FULL."""
+def count_store_full(connector):
+    """Count the keys the store refused with STORE_FULL, as the stats
+    the connector hands vLLM each step report them."""
+    counted = {"keys": 0}
+    take = connector.get_kv_connector_stats
 
-    def __init__(self, store, capacity):
-        self.store = store
-        self.capacity = capacity
-        self.rejected = 0
+    def counting():
+        stats = take()
+        if stats is not None:
+            put = stats.data.get("store", {}).get("put", {})
+            counted["keys"] += put.get("failures", {}).get("STORE_FULL", 0)
+        return stats
 
-    def get(self, keys, regions):
-        return self.store.get(keys, regions)
-
-    def put(self, keys, regions):
-        room = max(self.capacity, 0)
-        fits = min(room, len(keys))
-        self.capacity -= fits
-        self.rejected += len(keys) - fits
-        if fits:
-            kept = self.store.put(keys[:fits], regions.select(range(fits)))
-            outcomes, codes = list(kept), list(kept.codes)
-        else:
-            outcomes, codes = [], []
-        outcomes += [Outcome.STORE_FULL] * (len(keys) - fits)
-        codes += [-200] * (len(keys) - fits)
-        return BatchResult(Op.PUT, outcomes, codes)
+    connector.get_kv_connector_stats = counting
+    return counted

@@ -169,7 +169,10 @@ def request(req_id, hashes):
 
 def step_output():
     cached = SimpleNamespace(
-        req_ids=[], resumed_req_ids=set(), new_block_ids=[]
+        req_ids=[],
+        resumed_req_ids=set(),
+        new_block_ids=[],
+        num_computed_tokens=[],
     )
     return SimpleNamespace(
         preempted_req_ids=set(),
@@ -195,22 +198,36 @@ def test_scheduler_remembers_failed_blocks_reported_by_every_rank():
     """TP 2: the ranks report a failed load in different steps; the block
     rank 0 failed is remembered, and a request waits while it loads."""
     side = SchedulerSide(
-        block_size=4, role=Role.CONSUMER, lookup=Lookup(), world_size=2
+        block_size=4,
+        role=Role.CONSUMER,
+        lookup=Lookup(),
+        world_size=2,
+        threaded_lookups=False,
     )
+
+    def ask(req):
+        """vLLM's call; the lookup thread answers before the next one."""
+        answer = side.get_num_new_matched_tokens(req, 0)
+        side.lookups.dispatch()  # as build_connector_meta does
+        if answer == (None, False) and side.lookups.run_pending():
+            answer = side.get_num_new_matched_tokens(req, 0)
+        return answer
+
     first = request("r1", [b"a", b"b"])
     side.on_new_request(first)
-    assert side.get_num_new_matched_tokens(first, 0) == (8, True)
+    assert ask(first) == (8, True)
     blocks = SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],))
     side.update_state_after_alloc(first, blocks, 8)
     (job,) = side.build_connector_meta(step_output()).jobs
 
     second = request("r2", [b"a", b"b"])
     side.on_new_request(second)
-    assert side.get_num_new_matched_tokens(second, 0) == (None, False)
+    assert ask(second) == (None, False)  # deferred: r1 is loading them
+    assert side.lookup_counts["deferred"] == 1
 
     side.update_connector_output(report(job.job_id, {6}))  # rank 0
-    assert side.get_num_new_matched_tokens(second, 0) == (None, False)
+    assert ask(second) == (None, False)
     side.update_connector_output(report(job.job_id, set()))  # rank 1
     assert b"b" in side.failed_keys
     assert b"a" not in side.failed_keys
-    assert side.get_num_new_matched_tokens(second, 0) == (4, True)
+    assert ask(second) == (4, True)

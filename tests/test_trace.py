@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import threading
@@ -437,3 +438,32 @@ def test_two_writers_on_one_file_never_split_lines(tmp_path):
     result = replay_file(path)
     assert result.malformed == []
     assert result.events == 2 * 300 * 3
+
+
+def test_the_event_path_never_writes_the_file(tmp_path):
+    """Full batches are handed to the flusher: no I/O under the lock."""
+    writes: list[tuple[str, bool]] = []
+
+    class Recording(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, data):
+            holding = machine._lock.locked()
+            writes.append((threading.current_thread().name, holding))
+            return len(data)
+
+    machine = LifecycleMachine(TABLE)
+    registry = Registry(machine, Tracker)
+    writer = TraceWriter(Recording(), flush_interval=3600)
+    writer.attach(machine)
+    registry.get_or_create("r")
+    drive(registry, "r", [E.LOOKUP] * (3 * TraceWriter.BATCH_LINES))
+    deadline = time.monotonic() + 10
+    while not writes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    on_event_path = [w for w in writes if w[0] == "MainThread"]
+    writer.close()
+    assert writes, "the full batches were never written"
+    assert on_event_path == []
+    assert {name for name, _ in writes} >= {"lifecycle-trace-flush"}

@@ -234,7 +234,10 @@ class TestTrackers:
         class Slow(Tracker[JobState]):
             state: JobState = JobState.WAITING
 
-        registry = Registry(_machine(), lambda r: Slow(r))
+        def factory(req_id: str) -> Slow:
+            return Slow(req_id)
+
+        registry = Registry(_machine(), factory)
         with pytest.raises(TypeError, match="__slots__"):
             registry.get_or_create("r")
 

@@ -467,3 +467,43 @@ def test_the_event_path_never_writes_the_file(tmp_path):
     assert writes, "the full batches were never written"
     assert on_event_path == []
     assert {name for name, _ in writes} >= {"lifecycle-trace-flush"}
+
+
+def test_hashed_and_sampled_traces_replay(tmp_path):
+    """Keyed-hash ids hide the request ids; sampling keeps whole requests."""
+    from lifecycle.trace import hash_req_id  # noqa: PLC0415
+
+    path = tmp_path / "t.jsonl"
+    key = b"secret key"
+    machine = LifecycleMachine(TABLE)
+    registry = Registry(machine, Tracker)
+    writer = TraceWriter.open(path, id_key=key, sample=0.5)
+    writer.attach(machine)
+    ids = [f"req-{i}" for i in range(200)]
+    for r in ids:
+        registry.get_or_create(r)
+        drive(registry, r, [E.LOOKUP, E.ALLOC_LOCAL, E.PREEMPT, E.RESET])
+        registry.fire(r, E.LOAD_DONE)  # illegal
+        drive(registry, r, [E.FINISH])
+    writer.close()
+    text = path.read_text()
+    assert "req-" not in text
+    records = events_of(path)
+    traced = {r["req_id"] for r in records}
+    assert 60 < len(traced) < 140  # about half, deterministic
+    assert traced <= {hash_req_id(r, key) for r in ids}
+    assert all(sum(x["req_id"] == h for x in records) == 6 for h in traced)
+    result = replay_file(path)
+    assert result.divergences == []
+    assert result.malformed == []
+    assert result.machine.illegal_total == len(traced)
+    again = tmp_path / "again.jsonl"
+    writer = TraceWriter.open(again, id_key=key, sample=0.5)
+    writer.attach(machine)
+    for r in ids:
+        registry.get_or_create(r)
+        registry.fire(r, E.ABORT)
+    writer.close()
+    assert {r["req_id"] for r in events_of(again)} == traced
+    with pytest.raises(ValueError, match="sample"):
+        TraceWriter.open(tmp_path / "x.jsonl", sample=0.0)

@@ -23,10 +23,10 @@ typecheck: $(STAMP)
 	$(PY) -m mypy --strict lifecycle connector demo
 
 diagrams: $(STAMP)
-	$(PY) -m lifecycle render
+	$(PY) -m lifecycle render --out diagrams
 
 diagrams-check: $(STAMP)
-	$(PY) -m lifecycle render --check
+	$(PY) -m lifecycle render --check --out diagrams
 
 unit: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -340,7 +340,7 @@ def _pct(values: list[float], pct: float) -> float:
 
 def loads(run: Run) -> int:
     """Admissions with a store hit so far (ours)."""
-    from lifecycle import Event  # noqa: PLC0415
+    from lifecycle.kv import Event  # noqa: PLC0415
 
     machine = run.connector.scheduler_side.machine
     return sum(

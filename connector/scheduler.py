@@ -36,7 +36,8 @@ import attrs
 from connector.failed_keys import FailedKeys
 from connector.lookup import AsyncLookups, BatchLookup, PendingLookup
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
-from lifecycle import Event, LifecycleMachine, Registry, State, Tracker
+from lifecycle import LifecycleMachine, Registry, define_tracker
+from lifecycle.kv import TABLE, Event, KVMachine, KVTracker, State
 
 log: Final = logging.getLogger(__name__)
 
@@ -111,8 +112,8 @@ class BlockPool(Protocol):
         """Drop one reference on each block."""
 
 
-@attrs.define(slots=True, eq=False, on_setattr=attrs.setters.NO_OP)
-class RequestTracker(Tracker):
+@define_tracker
+class RequestTracker(KVTracker):
     """A request's tracker plus what the scheduler half needs.
 
     Attributes:
@@ -185,7 +186,7 @@ class SchedulerSide:
         role: Role,
         lookup: HitLookup,
         world_size: int = 1,
-        machine: LifecycleMachine | None = None,
+        machine: KVMachine | None = None,
         lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
         max_pending: int = MAX_PENDING_LOOKUPS,
         threaded_lookups: bool = True,
@@ -197,10 +198,8 @@ class SchedulerSide:
         self.block_size = block_size
         self.role = role
         self.world_size = world_size
-        self.machine = machine or LifecycleMachine()
-        self.registry: Registry[RequestTracker] = Registry(
-            self.machine, RequestTracker
-        )
+        self.machine: KVMachine = machine or LifecycleMachine(TABLE)
+        self.registry = Registry(self.machine, RequestTracker)
         self._lookup = lookup
         side = weakref.ref(self)
 

@@ -84,7 +84,7 @@ from connector.scheduler import Role, SchedulerSide
 from connector.store import Regions
 from connector.vllm_connector import LifecycleWorkerMetadata, _StoreLookup
 from connector.worker import KVLayout, WorkerSide
-from lifecycle import Event
+from lifecycle.kv import Event
 from tests.test_faults_vllm import Flaky
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]

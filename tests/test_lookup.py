@@ -14,7 +14,8 @@ import pytest
 
 from connector.lookup import hits_per_prefix
 from connector.scheduler import Role, SchedulerSide
-from lifecycle import Event, LifecycleMachine, State
+from lifecycle import LifecycleMachine
+from lifecycle.kv import TABLE, Event, State
 
 BS = 16
 
@@ -67,7 +68,7 @@ def make(clock, **kwargs) -> tuple[SchedulerSide, FakeLookup]:
         block_size=BS,
         role=Role.BOTH,
         lookup=lookup,
-        machine=LifecycleMachine(strict=True),
+        machine=LifecycleMachine(TABLE, strict=True),
         threaded_lookups=False,
         **kwargs,
     )

@@ -5,7 +5,7 @@ STAMP := .venv/.bootstrapped
 REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh)
 PYTEST_ARGS ?=
 
-.PHONY: all venv venv-e2e e2e unit-e2e bench-ttft test lint typecheck diagrams diagrams-check unit fuzz demo bench bench-scheduler soak clean
+.PHONY: all venv venv-e2e e2e unit-e2e bench-ttft test lint typecheck diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
 
 all: test
 
@@ -16,11 +16,12 @@ $(STAMP): $(REQS)
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check lifecycle connector demo tests benchmarks scripts e2e
-	$(PY) -m ruff format --check lifecycle connector demo tests benchmarks scripts e2e
+	$(PY) -m ruff check lifecycle connector demo tests benchmarks scripts e2e docs
+	$(PY) -m ruff format --check lifecycle connector demo tests benchmarks scripts e2e docs
 
 typecheck: $(STAMP)
 	$(PY) -m mypy --strict lifecycle connector demo
+	$(PY) -m mypy --strict docs/_ext docs/conf.py
 
 diagrams: $(STAMP)
 	$(PY) -m lifecycle render
@@ -31,7 +32,14 @@ diagrams-check: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test: lint typecheck diagrams-check unit unit-e2e
+# The documentation site, warnings as errors (diagrams drawn at build time).
+DOCS_OUT ?= build/docs
+
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -q -E -b html docs $(DOCS_OUT)
+	@echo "docs: $(DOCS_OUT)/index.html"
+
+test: lint typecheck diagrams-check docs unit unit-e2e
 
 # The ordering fuzzer with a large budget (`make test` runs the CI budget).
 # FUZZ_EXAMPLES=N overrides the number of examples.

@@ -255,7 +255,7 @@ class LifecycleTable(_TableDirective):
             table += nodes.title(caption, "", *parsed)
         group = nodes.tgroup(cols=4)
         table += group
-        for width in (2, 2, 2, 3):
+        for width in (14, 16, 14, 30):
             group += nodes.colspec(colwidth=width)
         head = nodes.thead()
         head += _row(("From", "Event", "To", "Callbacks"), code=())

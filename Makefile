@@ -24,10 +24,10 @@ typecheck: $(STAMP)
 	$(PY) -m mypy --strict docs/_ext docs/conf.py
 
 diagrams: $(STAMP)
-	$(PY) -m lifecycle render
+	$(PY) -m lifecycle render --out diagrams
 
 diagrams-check: $(STAMP)
-	$(PY) -m lifecycle render --check
+	$(PY) -m lifecycle render --check --out diagrams
 
 unit: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

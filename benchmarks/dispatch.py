@@ -20,7 +20,8 @@ from collections.abc import Callable
 import attrs
 from transitions import Machine
 
-from lifecycle import TABLE, Event, LifecycleMachine, Registry, State, Tracker
+from lifecycle import LifecycleMachine, Registry
+from lifecycle.kv import TABLE, Event, KVTracker, State
 
 E = Event
 # One request's life through the table: 10 legal events, with callbacks.
@@ -61,8 +62,10 @@ def _timed(run: Callable[[], int]) -> float:
         gc.enable()
 
 
-def _lifecycle(machine: LifecycleMachine, n: int) -> Callable[[], int]:
-    trackers = [Tracker(f"r{i}") for i in range(n)]
+def _lifecycle(
+    machine: LifecycleMachine[State, Event], n: int
+) -> Callable[[], int]:
+    trackers = [KVTracker(f"r{i}") for i in range(n)]
 
     def run() -> int:
         fire = machine.fire
@@ -75,8 +78,10 @@ def _lifecycle(machine: LifecycleMachine, n: int) -> Callable[[], int]:
     return run
 
 
-def _illegal(machine: LifecycleMachine, n: int) -> Callable[[], int]:
-    trackers = [Tracker(f"r{i}") for i in range(n)]
+def _illegal(
+    machine: LifecycleMachine[State, Event], n: int
+) -> Callable[[], int]:
+    trackers = [KVTracker(f"r{i}") for i in range(n)]
 
     def run() -> int:
         fire = machine.fire
@@ -88,16 +93,18 @@ def _illegal(machine: LifecycleMachine, n: int) -> Callable[[], int]:
     return run
 
 
-def _stock(machine: LifecycleMachine, n: int) -> Callable[[], int]:
-    events = {e: machine.events[e.value] for e in Event}
+def _stock(
+    machine: LifecycleMachine[State, Event], n: int
+) -> Callable[[], int]:
+    events = {e: machine.stock_trigger(e) for e in Event}
 
-    trackers = [Tracker(f"r{i}") for i in range(n)]
+    trackers = [KVTracker(f"r{i}") for i in range(n)]
 
     def run() -> int:
         for t in trackers:
             t.state = State.NEW
             for e in CYCLE:
-                events[e].trigger(t)
+                events[e](t)
         return n * len(CYCLE)
 
     return run
@@ -150,11 +157,11 @@ def _dict(n: int) -> Callable[[], int]:
 
 def _tracker_bytes(live: int) -> tuple[float, int]:
     """Bytes per live tracker in a registry, and how many survive a drop."""
-    machine = LifecycleMachine()
+    machine = LifecycleMachine(TABLE)
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    registry: Registry[Tracker] = Registry(machine, Tracker)
+    registry = Registry(machine, KVTracker)
     for i in range(live):
         t = registry.get_or_create(f"req-{i:08d}")
         registry.fire_on(t, E.LOOKUP)
@@ -185,8 +192,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("lifecycle").setLevel(logging.CRITICAL)
     logging.getLogger("transitions").setLevel(logging.CRITICAL)
-    machine = LifecycleMachine()
-    unlocked = LifecycleMachine(thread_safe=False)
+    machine = LifecycleMachine(TABLE)
+    unlocked = LifecycleMachine(TABLE, thread_safe=False)
     n = args.requests
     variants = {
         "lifecycle_us": _lifecycle(machine, n),

@@ -19,12 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.dispatch import CYCLE, _lifecycle, _timed
-from lifecycle import LifecycleMachine, Tracker
+from lifecycle import LifecycleMachine
+from lifecycle.kv import TABLE, KVTracker
 from lifecycle.trace import TraceWriter, replay_file
 
 
 def _traced(path: Path, max_events: int, n: int) -> Callable[[], int]:
-    machine = LifecycleMachine()
+    machine = LifecycleMachine(TABLE)
     TraceWriter.open(path, max_events=max_events).attach(machine)
     return _lifecycle(machine, n)
 
@@ -34,9 +35,9 @@ def _stats_take(steps: int) -> float:
     from connector.stats import StatsSource  # noqa: PLC0415 - imports vLLM
     from connector.store import StoreStats  # noqa: PLC0415
 
-    machine = LifecycleMachine()
+    machine = LifecycleMachine(TABLE)
     source = StatsSource(machine=machine, store=StoreStats())
-    trackers = [Tracker(f"r{i}") for i in range(steps)]
+    trackers = [KVTracker(f"r{i}") for i in range(steps)]
     total = 0.0
     for t in trackers:
         for e in CYCLE:
@@ -59,7 +60,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         traced = Path(tmp) / "traced.jsonl"
         variants = {
-            "untraced_us": _lifecycle(LifecycleMachine(), n),
+            "untraced_us": _lifecycle(LifecycleMachine(TABLE), n),
             "traced_us": _traced(traced, 10**9, n),
             "trace_full_us": _traced(Path(tmp) / "full.jsonl", 1, n),
         }

@@ -23,7 +23,8 @@ from typing import Any, Final, Protocol
 import attrs
 
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
-from lifecycle import Event, LifecycleMachine, Registry, State, Tracker
+from lifecycle import LifecycleMachine, Registry, define_tracker
+from lifecycle.kv import TABLE, Event, KVMachine, KVTracker, State
 
 log: Final = logging.getLogger(__name__)
 
@@ -65,8 +66,8 @@ class BlockPool(Protocol):
         """Drop one reference on each block."""
 
 
-@attrs.define(slots=True, eq=False, on_setattr=attrs.setters.NO_OP)
-class RequestTracker(Tracker):
+@define_tracker
+class RequestTracker(KVTracker):
     """A request's tracker plus what the scheduler half needs.
 
     Attributes:
@@ -121,7 +122,7 @@ class SchedulerSide:
         role: Role,
         lookup: HitLookup,
         world_size: int = 1,
-        machine: LifecycleMachine | None = None,
+        machine: KVMachine | None = None,
     ) -> None:
         if block_size <= 0:
             msg = f"block_size must be positive, got {block_size}"
@@ -129,10 +130,8 @@ class SchedulerSide:
         self.block_size = block_size
         self.role = role
         self.world_size = world_size
-        self.machine = machine or LifecycleMachine()
-        self.registry: Registry[RequestTracker] = Registry(
-            self.machine, RequestTracker
-        )
+        self.machine: KVMachine = machine or LifecycleMachine(TABLE)
+        self.registry = Registry(self.machine, RequestTracker)
         self._lookup = lookup
         self._pool: BlockPool | None = None
         self._open: dict[int, _OpenJob] = {}

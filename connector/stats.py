@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from connector.store import OpStats, StoreStats
     from lifecycle import LifecycleMachine
 
+    AnyMachine = LifecycleMachine[Any, Any, Any]
+
 KINDS: Final = ("transitions", "illegal", "stale")
 HALVES: Final = {"scheduler": "", "worker": "worker_"}
 """Each half's machine counts under its own prefix: both see one event."""
@@ -246,7 +248,7 @@ class StatsSource:
     def __init__(
         self,
         *,
-        machine: LifecycleMachine | None = None,
+        machine: AnyMachine | None = None,
         store: StoreStats | None = None,
         half: str = "scheduler",
     ) -> None:
@@ -256,11 +258,11 @@ class StatsSource:
         self._prefix = HALVES[half]
         self._store = store
         self._trips = store.breaker_trips if store is not None else 0
-        self._machine: LifecycleMachine | None = None
+        self._machine: AnyMachine | None = None
         if machine is not None:
             self.watch(machine)
 
-    def watch(self, machine: LifecycleMachine) -> None:
+    def watch(self, machine: AnyMachine) -> None:
         """Report `machine`'s counts from now on (the worker's comes late)."""
         self._rows = tuple(
             pair_key(r.source, r.event) for r in machine.table.rows
@@ -290,7 +292,7 @@ class StatsSource:
         return None if _is_empty(data) else LifecycleConnectorStats(data=data)
 
     def _take_lifecycle(
-        self, machine: LifecycleMachine, data: dict[str, Any]
+        self, machine: AnyMachine, data: dict[str, Any]
     ) -> None:
         prefix = self._prefix
         rows = machine.row_counts()

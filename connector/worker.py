@@ -71,7 +71,8 @@ from connector.transfer import (
     Transfer,
     open_transfer,
 )
-from lifecycle import Event, LifecycleMachine, Registry, State, Tracker
+from lifecycle import LifecycleMachine, Registry
+from lifecycle.kv import TABLE, Event, KVMachine, KVTracker, State
 
 if TYPE_CHECKING:
     import torch
@@ -126,7 +127,7 @@ class _Done:
     verdict: Verdict
 
 
-def _refusal(tracker: Tracker, job: TransferJob) -> Verdict:
+def _refusal(tracker: KVTracker, job: TransferJob) -> Verdict:
     """Why the lifecycle refused `job`'s event: stale epoch or illegal."""
     return Verdict.STALE if tracker.epoch != job.epoch else Verdict.REFUSED
 
@@ -151,14 +152,14 @@ class WorkerSide:
         regions: Any,
         *,
         transfer: Transfer | None = None,
-        machine: LifecycleMachine | None = None,
+        machine: KVMachine | None = None,
     ) -> None:
         self._store = store
         self._keys = keys
         self.layout = layout
         self.transfer: Transfer = transfer or Direct(layout, regions)
-        self.machine = machine or LifecycleMachine()
-        self.registry: Registry[Tracker] = Registry(self.machine, Tracker)
+        self.machine: KVMachine = machine or LifecycleMachine(TABLE)
+        self.registry = Registry(self.machine, KVTracker)
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
         self._queues: dict[
             JobKind, queue.SimpleQueue[tuple[TransferJob, Fence] | None]
@@ -195,7 +196,7 @@ class WorkerSide:
         *,
         register: Register,
         staging_blocks: int | None = None,
-        machine: LifecycleMachine | None = None,
+        machine: KVMachine | None = None,
     ) -> WorkerSide:
         """A worker over vLLM's KV tensors, their memory registered once.
 
@@ -362,7 +363,7 @@ class WorkerSide:
                     self.registry.fire(job.req_id, Event.FINISH)
                 self._queues[JobKind.LOAD].put((job, ()))
 
-    def _catch_up(self, tracker: Tracker, epoch: int) -> None:
+    def _catch_up(self, tracker: KVTracker, epoch: int) -> None:
         """Replay preemptions the worker learns of late, through the table."""
         fire = self.registry.fire_on
         while tracker.epoch < epoch:
@@ -388,7 +389,7 @@ class WorkerSide:
         self._post(job, _refusal(tracker, job))
         return False
 
-    def _run_in_epoch(self, tracker: Tracker) -> None:
+    def _run_in_epoch(self, tracker: KVTracker) -> None:
         """The request runs in this epoch: NEW or RESET moves to SAVING."""
         if tracker.state is State.NEW:
             self.registry.fire_on(tracker, Event.ALLOC_LOCAL)

@@ -8,6 +8,7 @@ from typing import TypeVar
 
 from demo.workload import SessionReport, edge_name, illegal_name
 from lifecycle import render
+from lifecycle.kv import TABLE
 
 _K = TypeVar("_K")
 
@@ -161,6 +162,7 @@ def write_diagram(report: SessionReport, out_dir: Path) -> Path:
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     dot = render.to_dot(
+        TABLE,
         counts=report.transitions,
         illegal=report.illegal,
         title=(

@@ -41,7 +41,8 @@ from connector.metadata import JobKind
 from connector.scheduler import RequestTracker, SchedulerSide
 from connector.store import Op, StoreClient
 from connector.worker import WorkerSide
-from lifecycle import Event, Row, State, Tracker
+from lifecycle import Row
+from lifecycle.kv import Event, KVTracker, State
 from lifecycle.trace import pair_key
 from tests.vllm_harness import FinishedRequest, Harness, HarnessError, KVRole
 
@@ -169,7 +170,7 @@ class InstanceStats:
     recovered: dict[str, str] = attrs.Factory(dict)
 
     def observe(
-        self, tracker: Tracker, source: State, event: Event, dest: State
+        self, tracker: KVTracker, source: State, event: Event, dest: State
     ) -> None:
         """Lifecycle observer: count admissions and recomputed loads."""
         del dest
@@ -217,7 +218,7 @@ class SessionReport:
     wall_s: float
     ticks: int
     instances: tuple[InstanceStats, ...]
-    transitions: Mapping[Row, int]
+    transitions: Mapping[Row[State, Event], int]
     illegal: Mapping[tuple[State | None, Event], int]
     stale: Mapping[tuple[State, Event], int]
     worker_illegal: Mapping[tuple[State | None, Event], int]
@@ -390,7 +391,7 @@ def single_threaded_torch() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def edge_name(row: Row) -> str:
+def edge_name(row: Row[State, Event]) -> str:
     """`SOURCE --event--> DEST`, as `python -m lifecycle replay` keys it."""
     return str(row)
 
@@ -768,7 +769,9 @@ class Session:
             failures.extend(
                 f"{inst.stats.name}: {f}" for f in harness.failures
             )
-        transitions: collections.Counter[Row] = collections.Counter()
+        transitions: collections.Counter[Row[State, Event]] = (
+            collections.Counter()
+        )
         illegal: collections.Counter[tuple[State | None, Event]] = (
             collections.Counter()
         )

@@ -37,7 +37,7 @@ import torch
 
 from connector.vllm_connector import MooncakeLifecycleConnector
 from e2e.snapshots import write_json
-from lifecycle import State
+from lifecycle.kv import State
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

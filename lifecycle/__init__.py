@@ -1,16 +1,19 @@
-"""Typed KV request lifecycle state machines for LLM KV-cache connectors.
+"""Typed request-lifecycle state machines, generic over your own enums.
 
-One declarative table (`lifecycle.table.TABLE`) defines the lifecycle; a
-shared `transitions` machine with a precompiled dispatch applies it to
-`attrs` trackers.  An illegal ordering is a counted, logged no-op (strict
-mode raises), never a crash.
+A declarative `Table` of `Row`s over your state and event enums is the
+single source of truth of a lifecycle; a shared `LifecycleMachine` (backed
+by `transitions`, with a precompiled dispatch) applies it to `Tracker`
+records, and a `Registry` maps request ids to trackers and drops them at
+terminal states.  An illegal ordering is a counted, logged no-op (strict
+mode raises), never a crash.  The KV-cache connector's lifecycle is one
+instance: `lifecycle.kv`.
 
 Typical use::
 
-    machine = LifecycleMachine()
-    registry = Registry(machine, Tracker)
+    machine = LifecycleMachine(TABLE)
+    registry = Registry(machine, MyTracker)
     tracker = registry.get_or_create("req-1")
-    registry.fire("req-1", Event.LOOKUP)
+    registry.fire("req-1", MyEvent.START)
 """
 
 from lifecycle.errors import (
@@ -22,16 +25,14 @@ from lifecycle.errors import (
 )
 from lifecycle.machine import LifecycleMachine, Observer, RejectObserver
 from lifecycle.registry import Registry
-from lifecycle.states import TERMINAL, Event, State
-from lifecycle.table import TABLE, TRANSITIONS, Row, Table
-from lifecycle.tracker import CALLBACKS, Tracker
+from lifecycle.table import Row, Table, event_name
+from lifecycle.tracker import (
+    Tracker,
+    check_tracker_class,
+    define_tracker,
+)
 
 __all__ = [
-    "CALLBACKS",
-    "TABLE",
-    "TERMINAL",
-    "TRANSITIONS",
-    "Event",
     "IllegalTransition",
     "InvalidTable",
     "LifecycleError",
@@ -40,9 +41,11 @@ __all__ = [
     "Registry",
     "RejectObserver",
     "Row",
-    "State",
     "Table",
     "TableProblem",
     "Tracker",
     "UnknownRequest",
+    "check_tracker_class",
+    "define_tracker",
+    "event_name",
 ]

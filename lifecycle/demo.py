@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 
+from lifecycle.kv import TABLE, Event, KVTracker
 from lifecycle.machine import LifecycleMachine
 from lifecycle.registry import Registry
-from lifecycle.states import Event
-from lifecycle.tracker import Tracker
 
 STORY = (
     (Event.LOOKUP, "get_num_new_matched_tokens: 32 tokens in the store"),
@@ -26,8 +25,8 @@ STORY = (
 def walk() -> int:
     """Print one request's path; return 0."""
     logging.basicConfig(level=logging.WARNING, format="  log: %(message)s")
-    machine = LifecycleMachine()
-    registry: Registry[Tracker] = Registry(machine, Tracker)
+    machine = LifecycleMachine(TABLE)
+    registry = Registry(machine, KVTracker)
     tracker = registry.get_or_create("req-1")
     print(f"{'event':<15} {'result':<8} {'state':<10} epoch  hook")
     for event, what in STORY:

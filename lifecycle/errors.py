@@ -6,11 +6,16 @@ and tests never parse messages.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import enum
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lifecycle.states import Event, State
     from lifecycle.table import Row
+
+
+def _spelled(event: enum.Enum) -> str:
+    value = event.value
+    return value if isinstance(value, str) else event.name
 
 
 class LifecycleError(Exception):
@@ -29,8 +34,8 @@ class IllegalTransition(LifecycleError):  # noqa: N818 - the spec's name
 
     def __init__(
         self,
-        state: State | None,
-        event: Event,
+        state: enum.Enum | None,
+        event: enum.Enum,
         req_id: str | None,
         epoch: int | None = None,
     ) -> None:
@@ -39,14 +44,16 @@ class IllegalTransition(LifecycleError):  # noqa: N818 - the spec's name
         self.req_id = req_id
         self.epoch = epoch
         where = state.name if state is not None else "an unknown request"
-        msg = f"`{event.value}` is not allowed in {where} (request {req_id})"
+        msg = (
+            f"`{_spelled(event)}` is not allowed in {where} (request {req_id})"
+        )
         super().__init__(msg)
 
 
 class UnknownRequest(IllegalTransition):
     """An event names a request id that the registry does not track."""
 
-    def __init__(self, event: Event, req_id: str) -> None:
+    def __init__(self, event: enum.Enum, req_id: str) -> None:
         super().__init__(None, event, req_id)
 
 
@@ -62,7 +69,7 @@ class TableProblem:
     __slots__ = ("detail", "kind", "rows")
 
     def __init__(
-        self, kind: str, detail: str, rows: tuple[Row, ...] = ()
+        self, kind: str, detail: str, rows: tuple[Row[Any, Any], ...] = ()
     ) -> None:
         self.kind = kind
         self.detail = detail

@@ -9,32 +9,46 @@ behind.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from lifecycle.machine import LifecycleMachine
-from lifecycle.states import Event
-from lifecycle.tracker import Tracker
+from lifecycle.tracker import Tracker, check_tracker_class
 
-T = TypeVar("T", bound=Tracker)
+S = TypeVar("S", bound=enum.Enum)
+E = TypeVar("E", bound=enum.Enum)
+T = TypeVar("T", bound=Tracker[Any])
 
 
-class Registry(Generic[T]):
+class Registry(Generic[S, E, T]):
     """Live trackers by request id, all driven by one shared machine.
 
     Args:
         machine: The shared lifecycle machine.
-        factory: Builds a tracker for a new request id.
+        factory: Builds a tracker for a new request id, in the table's
+            initial state: usually the tracker class itself.
+
+    Raises:
+        TypeError: the factory is a tracker class that would be slow or
+            compare by value (see `lifecycle.define_tracker`); for other
+            factories, at the first tracker of such a class.
     """
 
-    __slots__ = ("_factory", "_trackers", "machine")
+    __slots__ = ("_checked", "_factory", "_terminal", "_trackers", "machine")
 
     def __init__(
-        self, machine: LifecycleMachine, factory: Callable[[str], T]
+        self, machine: LifecycleMachine[S, E, Any], factory: Callable[[str], T]
     ) -> None:
         self.machine = machine
         self._factory = factory
         self._trackers: dict[str, T] = {}
+        # A tuple: `in` compares by identity first (no Enum.__hash__).
+        self._terminal: tuple[S, ...] = tuple(machine.table.terminal)
+        self._checked: type | None = None
+        if isinstance(factory, type):
+            check_tracker_class(factory)
+            self._checked = factory
 
     def get(self, req_id: str) -> T | None:
         """The live tracker for `req_id`, or None."""
@@ -45,13 +59,16 @@ class Registry(Generic[T]):
         tracker = self._trackers.get(req_id)
         if tracker is None:
             tracker = self._factory(req_id)
+            if type(tracker) is not self._checked:
+                check_tracker_class(type(tracker))
+                self._checked = type(tracker)
             self._trackers[req_id] = tracker
         return tracker
 
     def fire(
         self,
         req_id: str,
-        event: Event,
+        event: E,
         *,
         epoch: int | None = None,
         known: bool = True,
@@ -76,11 +93,14 @@ class Registry(Generic[T]):
         return self.fire_on(tracker, event, epoch=epoch)
 
     def fire_on(
-        self, tracker: T, event: Event, *, epoch: int | None = None
+        self, tracker: T, event: E, *, epoch: int | None = None
     ) -> bool:
-        """Fire `event` on `tracker`; drop it from the registry if it ended."""
+        """Fire `event` on `tracker`; drop it from the registry if it ended.
+
+        "Ended" means a state in the table's ``terminal`` set.
+        """
         applied = self.machine.fire(tracker, event, epoch=epoch)
-        if applied and tracker.state.terminal:
+        if applied and tracker.state in self._terminal:
             self._trackers.pop(tracker.req_id, None)
         return applied
 

@@ -9,53 +9,107 @@ the output is stable and diffs read well.
 from __future__ import annotations
 
 import difflib
+import re
 import shutil
 import subprocess
+import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
-from lifecycle.states import Event, State
-from lifecycle.table import TABLE, Row, Table
-
-DIAGRAM_DIR: Final = Path(__file__).resolve().parent.parent / "diagrams"
-STEM: Final = "lifecycle"
+from lifecycle.table import Row, Table, callback_name, event_name
 
 _TERMINAL_STYLE = 'shape=doublecircle, style=filled, fillcolor="#e8e8e8"'
 _STATE_STYLE = 'shape=circle, style=filled, fillcolor="#dbeafe"'
+_START: Final = '"__start"'
+_UNKNOWN: Final = '"__unknown"'
+
+AnyTable = Table[Any, Any]
+AnyRow = Row[Any, Any]
 
 
-def _state_order(table: Table) -> dict[State, int]:
+def dot_id(text: str) -> str:
+    """`text` as a quoted DOT id (keywords like NODE or EDGE are safe)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+_MERMAID_ID: Final = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+_MERMAID_WORDS: Final = frozenset(
+    {
+        "as",
+        "choice",
+        "class",
+        "classdef",
+        "click",
+        "default",
+        "direction",
+        "end",
+        "fork",
+        "join",
+        "note",
+        "state",
+        "style",
+    }
+)
+
+
+def mermaid_ids(table: AnyTable) -> dict[Any, str]:
+    """A Mermaid id per state: its name, or ``s<i>`` if that is unsafe.
+
+    Unsafe names (Mermaid keywords, other characters) keep their name as a
+    quoted label: ``state "end" as s3``.
+    """
+    return {
+        s: s.name
+        if _MERMAID_ID.fullmatch(s.name)
+        and s.name.lower() not in _MERMAID_WORDS
+        else f"s{i}"
+        for i, s in enumerate(table.states)
+    }
+
+
+def _state_order(table: AnyTable) -> dict[Any, int]:
     return {s: i for i, s in enumerate(table.states)}
 
 
-def _grouped(table: Table) -> list[tuple[State, State, list[Row]]]:
+def _grouped(table: AnyTable) -> list[tuple[Any, Any, list[AnyRow]]]:
     """Rows grouped by (source, dest), in table-state order."""
     order = _state_order(table)
-    groups: dict[tuple[State, State], list[Row]] = {}
+    groups: dict[tuple[Any, Any], list[AnyRow]] = {}
     for row in table.rows:
         groups.setdefault((row.source, row.dest), []).append(row)
     return [
-        (src, dst, sorted(rows, key=lambda r: r.event.value))
+        (src, dst, sorted(rows, key=lambda r: event_name(r.event)))
         for (src, dst), rows in sorted(
             groups.items(), key=lambda kv: (order[kv[0][0]], order[kv[0][1]])
         )
     ]
 
 
-def _label(rows: list[Row]) -> str:
+def _label(rows: list[AnyRow]) -> str:
     return "\\n".join(
-        r.event.value + (f" / {', '.join(r.after)}" if r.after else "")
+        _escape(
+            event_name(r.event)
+            + (
+                f" / {', '.join(map(callback_name, r.after))}"
+                if r.after
+                else ""
+            )
+        )
         for r in rows
     )
 
 
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
+
+
 def to_dot(
-    table: Table = TABLE,
+    table: AnyTable,
     *,
-    counts: Mapping[Row, int] | None = None,
-    illegal: Mapping[tuple[State | None, Event], int] | None = None,
-    title: str = "KV request lifecycle",
+    counts: Mapping[AnyRow, int] | None = None,
+    illegal: Mapping[tuple[Any, Any], int] | None = None,
+    title: str | None = None,
 ) -> str:
     """The table as Graphviz DOT text.
 
@@ -65,19 +119,22 @@ def to_dot(
             by them (a live diagram).
         illegal: Optional illegal (state, event) attempts, drawn as dashed
             red self-edges labelled with their count.
-        title: The graph label.
+        title: The graph label (default: the table's title).
     """
+    title = table.title if title is None else title
     lines = [
         "digraph lifecycle {",
-        f'  label="{title}"; labelloc=t; fontname="Helvetica";',
+        f'  label="{_escape(title)}"; labelloc=t; fontname="Helvetica";',
         '  rankdir=LR; node [fontname="Helvetica", fontsize=11];',
         '  edge [fontname="Helvetica", fontsize=9];',
-        '  __start [shape=point, width=0.15, label=""];',
+        f'  {_START} [shape=point, width=0.15, label=""];',
     ]
     for state in table.states:
         style = _TERMINAL_STYLE if state in table.terminal else _STATE_STYLE
-        lines.append(f'  {state.name} [label="{state.name}", {style}];')
-    lines.append(f"  __start -> {table.initial.name};")
+        lines.append(
+            f'  {dot_id(state.name)} [label="{_escape(state.name)}", {style}];'
+        )
+    lines.append(f"  {_START} -> {dot_id(table.initial.name)};")
     total = max(sum(counts.values()), 1) if counts else 1
     for src, dst, rows in _grouped(table):
         label = _label(rows)
@@ -89,44 +146,58 @@ def to_dot(
             attrs.append(f"penwidth={width:.2f}")
             if n == 0:
                 attrs.append('color="#bbbbbb", fontcolor="#999999"')
-        lines.append(f"  {src.name} -> {dst.name} [{', '.join(attrs)}];")
+        lines.append(
+            f"  {dot_id(src.name)} -> {dot_id(dst.name)} [{', '.join(attrs)}];"
+        )
     if illegal:
         if any(state is None for state, _ in illegal):
             lines.append(
-                '  __unknown [label="unknown id", shape=box, '
+                f'  {_UNKNOWN} [label="unknown id", shape=box, '
                 'style=dashed, color="#b91c1c"];'
             )
         for (seen_in, event), n in sorted(
             illegal.items(),
             key=lambda kv: (
                 kv[0][0].name if kv[0][0] is not None else "",
-                kv[0][1].value,
+                event_name(kv[0][1]),
             ),
         ):
-            where = seen_in.name if seen_in is not None else "__unknown"
+            where = dot_id(seen_in.name) if seen_in is not None else _UNKNOWN
             lines.append(
-                f'  {where} -> {where} [label="{event.value} ✗{n}", '
+                f"  {where} -> {where} "
+                f'[label="{_escape(event_name(event))} ✗{n}", '
                 'style=dashed, color="#b91c1c", fontcolor="#b91c1c"];'
             )
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
-def to_mermaid(table: Table = TABLE) -> str:
-    """The table as a Mermaid ``stateDiagram-v2``."""
-    lines = ["stateDiagram-v2", f"    [*] --> {table.initial.name}"]
-    for src, dst, rows in _grouped(table):
-        label = ", ".join(r.event.value for r in rows)
-        lines.append(f"    {src.name} --> {dst.name} : {label}")
+def to_mermaid(table: AnyTable) -> str:
+    """The table as a Mermaid ``stateDiagram-v2``.
+
+    States whose name is not a safe Mermaid id are declared with their
+    name as a quoted label (see `mermaid_ids`).
+    """
+    ids = mermaid_ids(table)
+    lines = ["stateDiagram-v2"]
     lines.extend(
-        f"    {state.name} --> [*]"
+        f'    state "{_escape(s.name)}" as {ids[s]}'
+        for s in table.states
+        if ids[s] != s.name
+    )
+    lines.append(f"    [*] --> {ids[table.initial]}")
+    for src, dst, rows in _grouped(table):
+        label = ", ".join(event_name(r.event) for r in rows)
+        lines.append(f"    {ids[src]} --> {ids[dst]} : {label}")
+    lines.extend(
+        f"    {ids[state]} --> [*]"
         for state in table.states
         if state in table.terminal
     )
     return "\n".join(lines) + "\n"
 
 
-def to_markdown(table: Table = TABLE) -> str:
+def to_markdown(table: AnyTable) -> str:
     """The table as a Markdown table: one row per transition."""
     order = _state_order(table)
     out = [
@@ -134,10 +205,10 @@ def to_markdown(table: Table = TABLE) -> str:
         "|---|---|---|---|",
     ]
     out.extend(
-        f"| {r.source.name} | `{r.event.value}` | {r.dest.name} | "
-        f"{', '.join(f'`{c}`' for c in r.after) or '—'} |"
+        f"| {r.source.name} | `{event_name(r.event)}` | {r.dest.name} | "
+        f"{', '.join(f'`{callback_name(c)}`' for c in r.after) or '—'} |"
         for r in sorted(
-            table.rows, key=lambda r: (order[r.source], r.event.value)
+            table.rows, key=lambda r: (order[r.source], event_name(r.event))
         )
     )
     return "\n".join(out) + "\n"
@@ -158,21 +229,30 @@ def to_svg(dot: str) -> str | None:
     return done.stdout.decode()
 
 
-def artifacts(table: Table = TABLE) -> dict[str, str | None]:
-    """File name → content for every committed diagram (None: no ``dot``)."""
+def artifacts(
+    table: AnyTable, stem: str | None = None
+) -> dict[str, str | None]:
+    """File name → content for every diagram (None: no ``dot`` binary).
+
+    Files are ``<stem>.dot``, ``.mmd`` and ``.svg``; `stem` defaults to
+    the table's name.
+    """
+    stem = table.name if stem is None else stem
     dot = to_dot(table)
     return {
-        f"{STEM}.dot": dot,
-        f"{STEM}.mmd": to_mermaid(table),
-        f"{STEM}.svg": to_svg(dot),
+        f"{stem}.dot": dot,
+        f"{stem}.mmd": to_mermaid(table),
+        f"{stem}.svg": to_svg(dot),
     }
 
 
-def write(out_dir: Path = DIAGRAM_DIR, table: Table = TABLE) -> list[Path]:
-    """Write every diagram; return the paths written."""
+def write(
+    out_dir: Path, table: AnyTable, stem: str | None = None
+) -> list[Path]:
+    """Write every diagram of `table` into `out_dir`; return the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, content in artifacts(table).items():
+    for name, content in artifacts(table, stem).items():
         if content is None:
             continue
         path = out_dir / name
@@ -181,20 +261,62 @@ def write(out_dir: Path = DIAGRAM_DIR, table: Table = TABLE) -> list[Path]:
     return written
 
 
+def svg_problems(svg: str, table: AnyTable) -> list[str]:
+    """Why `svg` is not a drawing of `table` (empty: it is).
+
+    Structural, never byte-for-byte (graphviz versions differ): the file
+    parses as SVG and its node and edge titles are the table's states and
+    (source, dest) pairs.
+    """
+    try:
+        root = ET.fromstring(svg)  # noqa: S314 - our own graphviz output
+    except ET.ParseError as exc:
+        return [f"not well-formed XML: {exc}"]
+    ns = "{http://www.w3.org/2000/svg}"
+    if root.tag != f"{ns}svg":
+        return [f"root element is {root.tag}, not svg"]
+    nodes, edges = set(), set()
+    for group in root.iter(f"{ns}g"):
+        title = group.find(f"{ns}title")
+        if title is None or title.text is None:
+            continue
+        kind = group.get("class")
+        if kind == "node":
+            nodes.add(title.text)
+        elif kind == "edge":
+            edges.add(title.text)
+    want_nodes = {s.name for s in table.states} | {"__start"}
+    want_edges = {f"{s.name}->{d.name}" for s, d, _ in _grouped(table)}
+    want_edges.add(f"__start->{table.initial.name}")
+    problems = []
+    if nodes != want_nodes:
+        problems.append(f"states differ: {sorted(nodes ^ want_nodes)}")
+    if edges != want_edges:
+        problems.append(f"edges differ: {sorted(edges ^ want_edges)}")
+    return problems
+
+
 def check(
-    out_dir: Path = DIAGRAM_DIR, table: Table = TABLE
+    out_dir: Path, table: AnyTable, stem: str | None = None
 ) -> tuple[list[str], list[str]]:
-    """Compare committed diagrams with fresh ones.
+    """Compare the diagrams in `out_dir` with fresh ones.
+
+    ``.dot`` and ``.mmd`` are compared as text; the ``.svg`` is checked
+    structurally (`svg_problems`), so another graphviz version passes.
 
     Returns:
-        (diffs, skipped): a unified diff per stale or missing file, and the
-        names that could not be checked (SVG without ``dot``).
+        (diffs, skipped): a unified diff (or problem list) per stale or
+        missing file, and the names that could not be checked (an absent
+        SVG when there is no ``dot`` binary to make one).
     """
-    diffs, skipped = [], []
-    for name, fresh in artifacts(table).items():
-        if fresh is None:
-            skipped.append(name)
-            continue
+    diffs: list[str] = []
+    skipped: list[str] = []
+    stem = table.name if stem is None else stem
+    fresh_text = {
+        f"{stem}.dot": to_dot(table),
+        f"{stem}.mmd": to_mermaid(table),
+    }
+    for name, fresh in fresh_text.items():
         path = out_dir / name
         old = path.read_text(encoding="utf-8") if path.exists() else ""
         if old != fresh:
@@ -208,4 +330,13 @@ def check(
                 )
             )
             diffs.append(diff or f"{name}: missing\n")
+    svg_path = out_dir / f"{stem}.svg"
+    if not svg_path.exists():
+        if shutil.which("dot") is None:
+            skipped.append(svg_path.name)
+        else:
+            diffs.append(f"{svg_path.name}: missing\n")
+    else:
+        problems = svg_problems(svg_path.read_text(encoding="utf-8"), table)
+        diffs.extend(f"{svg_path.name}: {p}\n" for p in problems)
     return diffs, skipped

@@ -1,218 +1,277 @@
-"""The KV request lifecycle, as one declarative transition table.
+"""Declarative transition tables over the caller's own enums.
 
-This module is the single source of truth.  The `transitions` machine
-(`lifecycle.machine`), the typed event API, the diagrams in ``diagrams/``
-and the generated transition-table tests are all derived from `TABLE`;
-nothing about the lifecycle may be written anywhere else.  A transition
-coded by hand outside the table is invisible to the diagrams, the tests and
-the illegal-ordering policy, which is how the bugs this project exists for
-were born.
+A `Table` is the single source of truth of one lifecycle.  The machine
+(`lifecycle.machine`), the typed event API, the diagrams
+(`lifecycle.render`), the generated transition-table tests
+(`lifecycle.testing`) and trace replay (`lifecycle.trace`) are all derived
+from it; nothing about a lifecycle may be written anywhere else.
+
+A table is generic over two enums of the caller's: its states ``S`` and
+its events ``E``.  The KV request lifecycle (`lifecycle.kv.TABLE`) is one
+instance; a connector author writes their own the same way::
+
+    class PState(enum.Enum):
+        WAITING = "waiting"
+        RUNNING = "running"
+        DONE = "done"
+
+    class PEvent(enum.Enum):
+        START = "start"
+        FINISH = "finish"
+
+    TABLE = Table(
+        [
+            Row(PState.WAITING, PEvent.START, PState.RUNNING),
+            Row(PState.WAITING, PEvent.FINISH, PState.DONE),
+            Row(PState.RUNNING, PEvent.FINISH, PState.DONE, after=(log,)),
+        ],
+        initial=PState.WAITING,
+        terminal={PState.DONE},
+        total_events={PEvent.FINISH},
+    )
 
 Rules
 -----
 * One row per (state, event).  An event with no row for the tracker's
-  current state is an *illegal ordering*: the tracker is left unchanged, the
-  fire returns False, a counter keyed by (state, event) is incremented and
-  one rate-limited structured record is logged.  Strict mode (tests) raises
-  `IllegalTransition` instead.  Never an assert, never a crash.
-* `finish` and `abort` are accepted from every non-terminal state: vLLM may
-  end a request at any point, including before it was ever looked up, while
-  its KV is arriving and after it was preempted with no blocks
-  (vLLM #43281, #56780, vllm-ascend#3721).
-* Terminal states (FINISHED, ABORTED) have no exits; the registry drops a
-  tracker the moment it reaches one.
-* Transfer completions carry the epoch their job was issued in.  A
-  completion from an older epoch is stale: it is counted and never reaches
-  the table (vLLM #51637: request ids are reused after preemption).
-* Callbacks are named in the row and run after the state change, in order;
-  they may only touch the tracker and must not fire events.
+  current state is an *illegal ordering*: a counted, logged no-op (strict
+  mode raises `IllegalTransition`).
+* Terminal states (``terminal=``) have no exits; a `Registry` drops a
+  tracker the moment it reaches one.  "Terminal" is decided by the table,
+  never by a property of the enum.
+* ``total_events`` must be accepted by every non-terminal state.
+* Rows hold their callbacks as callables (``after=``), plus an optional
+  ``guard``; states may have enter hooks (``on_enter=``).  Callbacks only
+  touch the tracker; they never fire events.
 
-Theory of operation
--------------------
-NEW       The request is known (looked up, maybe repeatedly: vLLM calls
-          `get_num_new_matched_tokens` every step while it waits for space).
-LOADING   Blocks are allocated and external KV is being received into them
-          (vLLM: WAITING_FOR_REMOTE_KVS).  Saves are illegal here, so a load
-          and a save are never co-queued for one request (vLLM #43371).
-SAVING    The request is running: its KV is computed on the device and full
-          blocks are saved to the store.  (For a consumer the saves are
-          skipped, but the state is the same: KV is being produced.)
-PREEMPTED vLLM preempted the request and has already freed its blocks,
-          possibly to another request in the same step.  The epoch is bumped
-          at once, so no in-flight job of the old epoch can touch the new
-          lifecycle; in-flight saves pin their own blocks (vLLM #52360).
-RESET     The connector has cleared the tracker for re-admission: after a
-          preemption, or after a failed load (vLLM keeps the valid prefix
-          or frees everything and looks the request up again).  Lookups
-          and allocations accumulate until vLLM schedules it again, and a
-          resume *replaces* the block table (vLLM #46595, LMCache#2069).
-DRAINING  Added for invariant 3 of the reference (vLLM #50984, #43226,
-          local-inference-lab/vllm#191): vLLM finished a request while its
-          KV was still arriving; it keeps the blocks until exactly one
-          receive completion is reported, even on failure, so the tracker
-          must outlive the finish until that completion.  It ends ABORTED:
-          a request finished before its KV arrived never ran.
-FINISHED  Ended normally (stop, length).  Terminal.
-ABORTED   Ended by an abort or an error.  Terminal.
-
-Invariants this table enforces by construction
-----------------------------------------------
-* finish/abort from anywhere non-terminal (validated when built).
-* Every non-terminal state can reach a terminal one; nothing is unreachable;
-  terminal states have no exits (validated when built).
-* No save while loading; no resume unless running or reset.
+Building a `Table` validates it and reports every defect at once in one
+`InvalidTable`.
 """
 
 from __future__ import annotations
 
+import enum
+import hashlib
+import json
 from collections import deque
-from collections.abc import Iterable, Mapping
-from typing import Final
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import attrs
 
 from lifecycle.errors import InvalidTable, TableProblem
-from lifecycle.states import TERMINAL, Event, State
-from lifecycle.tracker import CALLBACKS
+
+S = TypeVar("S", bound=enum.Enum)
+"""The state enum of a table."""
+E = TypeVar("E", bound=enum.Enum)
+"""The event enum of a table."""
+
+Callback = Callable[[Any], object]
+"""A row or enter callback: takes the tracker, returns nothing useful."""
+Guard = Callable[[Any], bool]
+"""A row guard: takes the tracker, says whether the row may apply."""
+
+
+def event_name(event: enum.Enum) -> str:
+    """How an event is spelled in traces, diagrams and trigger names.
+
+    Its value when that is a string (``"lookup"``), else its name.
+    """
+    value = event.value
+    return value if isinstance(value, str) else event.name
+
+
+def callback_name(callback: object) -> str:
+    """A callback's display name (its ``__name__``)."""
+    return str(getattr(callback, "__name__", repr(callback)))
 
 
 @attrs.frozen
-class Row:
+class Row(Generic[S, E]):
     """One legal transition: `event` in `source` moves to `dest`.
 
     Attributes:
         source: The state the event is accepted in.
         event: The event.
         dest: The state after the event (may equal `source`).
-        after: Names of callbacks (see `lifecycle.tracker.CALLBACKS`) run
-            after the state change, in order.
+        after: Callables run after the state change, in order, each with
+            the tracker.  If one raises, the event is refused (see
+            `LifecycleMachine`).
+        guard: Optional predicate on the tracker; when it returns False
+            the event is refused without a state change (counted in
+            `LifecycleMachine.guard_counts`, not an illegal ordering).
+
+    Rows compare and hash by (source, event, dest) only.
     """
 
-    source: State
-    event: Event
-    dest: State
-    after: tuple[str, ...] = ()
+    source: S
+    event: E
+    dest: S
+    after: tuple[Callback, ...] = attrs.field(default=(), eq=False)
+    guard: Guard | None = attrs.field(default=None, eq=False)
 
     def __str__(self) -> str:
-        return f"{self.source.name} --{self.event.value}--> {self.dest.name}"
+        return (
+            f"{self.source.name} --{event_name(self.event)}--> "
+            f"{self.dest.name}"
+        )
 
 
-S = State
-E = Event
-
-TRANSITIONS: Final[tuple[Row, ...]] = (
-    # NEW: known, nothing allocated.  Lookups repeat while vLLM waits.
-    Row(S.NEW, E.LOOKUP, S.NEW),
-    Row(S.NEW, E.ALLOC_LOCAL, S.SAVING),
-    Row(S.NEW, E.ALLOC_EXTERNAL, S.LOADING),
-    Row(S.NEW, E.FINISH, S.FINISHED),
-    Row(S.NEW, E.ABORT, S.ABORTED),
-    # LOADING: external KV arriving into allocated blocks.
-    Row(S.LOADING, E.ALLOC_LOCAL, S.LOADING),
-    Row(S.LOADING, E.ALLOC_EXTERNAL, S.LOADING),
-    Row(S.LOADING, E.LOAD_DONE, S.SAVING, after=("settle_load",)),
-    Row(
-        S.LOADING,
-        E.LOAD_FAILED,
-        S.RESET,
-        after=("settle_load", "clear_progress"),
-    ),
-    Row(S.LOADING, E.FINISH, S.DRAINING),
-    Row(S.LOADING, E.ABORT, S.DRAINING),
-    # SAVING: running; full blocks are saved as they fill.
-    Row(S.SAVING, E.ALLOC_LOCAL, S.SAVING),
-    Row(S.SAVING, E.SAVE_ISSUED, S.SAVING),
-    Row(S.SAVING, E.SAVE_DONE, S.SAVING),
-    Row(S.SAVING, E.SAVE_FAILED, S.SAVING),
-    Row(S.SAVING, E.RESUME, S.SAVING),
-    Row(
-        S.SAVING,
-        E.PREEMPT,
-        S.PREEMPTED,
-        after=("bump_epoch", "release_blocks"),
-    ),
-    Row(S.SAVING, E.FINISH, S.FINISHED, after=("release_blocks",)),
-    Row(S.SAVING, E.ABORT, S.ABORTED, after=("release_blocks",)),
-    # PREEMPTED: blocks already freed by vLLM; old epoch fenced.
-    Row(S.PREEMPTED, E.RESET, S.RESET, after=("clear_progress",)),
-    Row(S.PREEMPTED, E.FINISH, S.FINISHED),
-    Row(S.PREEMPTED, E.ABORT, S.ABORTED),
-    # RESET: cleared, waiting to be re-admitted.
-    Row(S.RESET, E.LOOKUP, S.RESET),
-    Row(S.RESET, E.ALLOC_LOCAL, S.RESET),
-    Row(S.RESET, E.ALLOC_EXTERNAL, S.LOADING),
-    Row(S.RESET, E.RESUME, S.SAVING),
-    Row(S.RESET, E.FINISH, S.FINISHED, after=("release_blocks",)),
-    Row(S.RESET, E.ABORT, S.ABORTED, after=("release_blocks",)),
-    # DRAINING: finished by vLLM, exactly one receive completion owed.
-    Row(S.DRAINING, E.LOAD_DONE, S.ABORTED, after=("settle_load",)),
-    Row(S.DRAINING, E.LOAD_FAILED, S.ABORTED, after=("settle_load",)),
-    Row(S.DRAINING, E.FINISH, S.DRAINING),
-    Row(S.DRAINING, E.ABORT, S.DRAINING),
-    # FINISHED and ABORTED: terminal, no rows.
-)
-
-
-class Table:
-    """A validated, frozen transition table.
-
-    Building a `Table` validates it: every defect is collected and reported
-    together in one `InvalidTable` whose problems name the offending rows.
+class Table(Generic[S, E]):
+    """A validated, frozen transition table over state enum ``S``.
 
     Args:
         rows: The transitions.
-        states: Every declared state, in display order.
         initial: The state new trackers start in.
-        terminal: States that end a lifecycle.
+        terminal: States that end a lifecycle (no exits).
         total_events: Events every non-terminal state must accept.
-        callbacks: Callback names rows may use.
+        states: Every state, in display order (default: every member of
+            the initial state's enum).
+        events: Every event (default: every member of the rows' event
+            enum).
+        on_enter: Per-state enter hooks: callables run, with the tracker,
+            on every row whose `dest` is that state (self-loops included,
+            as in `transitions`), before the row's `after` callbacks.
+        name: A short identifier: diagram file stem and trace label.
+        title: The diagram title (default: `name`).
+
+    Raises:
+        InvalidTable: listing every defect found.
     """
 
     __slots__ = (
         "_by_key",
-        "callbacks",
+        "events",
+        "fingerprint",
         "initial",
+        "name",
+        "on_enter",
         "rows",
         "states",
         "terminal",
+        "title",
         "total_events",
     )
 
     def __init__(
         self,
-        rows: Iterable[Row],
+        rows: Iterable[Row[S, E]],
         *,
-        states: Iterable[State] = tuple(State),
-        initial: State = State.NEW,
-        terminal: Iterable[State] = TERMINAL,
-        total_events: Iterable[Event] = (Event.FINISH, Event.ABORT),
-        callbacks: Mapping[str, object] = CALLBACKS,
+        initial: S,
+        terminal: Iterable[S],
+        total_events: Iterable[E] = (),
+        states: Iterable[S] | None = None,
+        events: Iterable[E] | None = None,
+        on_enter: Mapping[S, Sequence[Callback]] | None = None,
+        name: str = "lifecycle",
+        title: str | None = None,
     ) -> None:
-        self.rows: tuple[Row, ...] = tuple(rows)
-        self.states: tuple[State, ...] = tuple(states)
-        self.initial = initial
-        self.terminal: frozenset[State] = frozenset(terminal)
-        self.total_events: tuple[Event, ...] = tuple(total_events)
-        self.callbacks: frozenset[str] = frozenset(callbacks)
+        self.rows: tuple[Row[S, E], ...] = tuple(rows)
+        self.initial: S = initial
+        self.states: tuple[S, ...] = (
+            tuple(type(initial)) if states is None else tuple(states)
+        )
+        if events is None:
+            first = self.rows[0].event if self.rows else None
+            events = () if first is None else tuple(type(first))
+        self.events: tuple[E, ...] = tuple(events)
+        self.terminal: frozenset[S] = frozenset(terminal)
+        self.total_events: tuple[E, ...] = tuple(total_events)
+        self.on_enter: dict[S, tuple[Callback, ...]] = {
+            s: tuple(cbs) for s, cbs in (on_enter or {}).items()
+        }
+        self.name = name
+        self.title = name if title is None else title
         problems = self._problems()
         if problems:
             raise InvalidTable(problems)
-        self._by_key: dict[tuple[State, Event], Row] = {
+        self._by_key: dict[tuple[S, E], Row[S, E]] = {
             (r.source, r.event): r for r in self.rows
         }
+        self.fingerprint: str = self._fingerprint()
 
-    def get(self, state: State, event: Event) -> Row | None:
+    def __repr__(self) -> str:
+        return (
+            f"Table({self.name!r}, {len(self.states)} states, "
+            f"{len(self.rows)} rows, fingerprint={self.fingerprint})"
+        )
+
+    @property
+    def state_type(self) -> type[S]:
+        """The state enum."""
+        return type(self.initial)
+
+    def get(self, state: S, event: E) -> Row[S, E] | None:
         """The row for `event` in `state`, or None if it is illegal there."""
         return self._by_key.get((state, event))
 
-    def events_from(self, state: State) -> tuple[Event, ...]:
+    def events_from(self, state: S) -> tuple[E, ...]:
         """The events accepted in `state`, in table order."""
         return tuple(r.event for r in self.rows if r.source is state)
 
-    def dest(self, state: State, event: Event) -> State | None:
+    def dest(self, state: S, event: E) -> S | None:
         """Where `event` in `state` leads, or None if it is illegal there."""
         row = self._by_key.get((state, event))
         return None if row is None else row.dest
+
+    def callbacks(self, row: Row[S, E]) -> tuple[Callback, ...]:
+        """What applying `row` runs, in order: enter hooks, then `after`."""
+        return (*self.on_enter.get(row.dest, ()), *row.after)
+
+    def without_callbacks(self) -> Table[S, E]:
+        """This table's structure with no callbacks, guards or enter hooks.
+
+        Same states, rows, fingerprint and name; for trace replay and
+        reachability checks, where the tracker data callbacks read is
+        absent.
+        """
+        return Table(
+            [Row(r.source, r.event, r.dest) for r in self.rows],
+            initial=self.initial,
+            terminal=self.terminal,
+            total_events=self.total_events,
+            states=self.states,
+            events=self.events,
+            name=self.name,
+            title=self.title,
+        )
+
+    def state_named(self, name: str) -> S:
+        """The table's state called `name`.
+
+        Raises:
+            KeyError: no such state in this table.
+        """
+        for state in self.states:
+            if state.name == name:
+                return state
+        raise KeyError(name)
+
+    def event_named(self, name: str) -> E:
+        """The table's event spelled `name` (see `event_name`).
+
+        Raises:
+            KeyError: no such event in this table.
+        """
+        for event in self.events:
+            if event_name(event) == name:
+                return event
+        raise KeyError(name)
+
+    def _fingerprint(self) -> str:
+        """A short hash of the table's structure (not of callback code)."""
+        data = {
+            "states": [s.name for s in self.states],
+            "events": [event_name(e) for e in self.events],
+            "initial": self.initial.name,
+            "terminal": sorted(s.name for s in self.terminal),
+            "total": [event_name(e) for e in self.total_events],
+            "rows": [
+                [r.source.name, event_name(r.event), r.dest.name]
+                for r in self.rows
+            ],
+        }
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     # -- validation -------------------------------------------------------
 
@@ -225,9 +284,7 @@ class Table:
             problems += self._graph_problems()
         return tuple(problems)
 
-    def _declaration_problems(
-        self, declared: set[State]
-    ) -> list[TableProblem]:
+    def _declaration_problems(self, declared: set[S]) -> list[TableProblem]:
         problems = []
         if self.initial not in declared:
             problems.append(
@@ -240,13 +297,38 @@ class Table:
             TableProblem(
                 "unknown-state", f"terminal state {s.name} is not declared"
             )
-            for s in sorted(self.terminal - declared, key=_order)
+            for s in sorted(self.terminal - declared, key=_by_name)
+        )
+        problems.extend(
+            TableProblem(
+                "unknown-state", f"enter hooks for undeclared state {s.name}"
+            )
+            for s in sorted(set(self.on_enter) - declared, key=_by_name)
+        )
+        problems.extend(
+            TableProblem(
+                "bad-callback",
+                f"enter hook {cb!r} of {s.name} is not callable",
+            )
+            for s, cbs in self.on_enter.items()
+            for cb in cbs
+            if not callable(cb)
+        )
+        events = set(self.events)
+        problems.extend(
+            TableProblem(
+                "unknown-event",
+                f"total event {event_name(e)} is not an event of the table",
+            )
+            for e in self.total_events
+            if e not in events
         )
         return problems
 
-    def _row_problems(self, declared: set[State]) -> list[TableProblem]:
+    def _row_problems(self, declared: set[S]) -> list[TableProblem]:
         problems = []
-        seen: dict[tuple[State, Event], Row] = {}
+        seen: dict[tuple[S, E], Row[S, E]] = {}
+        events = set(self.events)
         for row in self.rows:
             unknown = [s for s in (row.source, row.dest) if s not in declared]
             if unknown:
@@ -258,13 +340,22 @@ class Table:
                         (row,),
                     )
                 )
+            if row.event not in events:
+                problems.append(
+                    TableProblem(
+                        "unknown-event",
+                        f"row `{row}` uses event {row.event!r}, not an "
+                        "event of the table",
+                        (row,),
+                    )
+                )
             key = (row.source, row.event)
             if key in seen:
                 problems.append(
                     TableProblem(
                         "duplicate-row",
                         f"rows `{seen[key]}` and `{row}` share "
-                        f"({row.source.name}, {row.event.value})",
+                        f"({row.source.name}, {event_name(row.event)})",
                         (seen[key], row),
                     )
                 )
@@ -280,12 +371,12 @@ class Table:
                 )
             problems.extend(
                 TableProblem(
-                    "unknown-callback",
-                    f"row `{row}` names unknown callback {name!r}",
+                    "bad-callback",
+                    f"row `{row}` has a callback that is not callable: {cb!r}",
                     (row,),
                 )
-                for name in row.after
-                if name not in self.callbacks
+                for cb in (*row.after, row.guard)
+                if cb is not None and not callable(cb)
             )
         for state in self.states:
             if state in self.terminal:
@@ -295,7 +386,7 @@ class Table:
                 TableProblem(
                     "missing-total-event",
                     f"non-terminal state {state.name} does not accept "
-                    f"`{event.value}`",
+                    f"`{event_name(event)}`",
                 )
                 for event in self.total_events
                 if event not in accepted
@@ -337,24 +428,24 @@ class Table:
                 )
         return problems
 
-    def _successors(self) -> dict[State, set[State]]:
-        succ: dict[State, set[State]] = {s: set() for s in self.states}
+    def _successors(self) -> dict[S, set[S]]:
+        succ: dict[S, set[S]] = {s: set() for s in self.states}
         for r in self.rows:
             succ[r.source].add(r.dest)
         return succ
 
-    def _predecessors(self) -> dict[State, set[State]]:
-        pred: dict[State, set[State]] = {s: set() for s in self.states}
+    def _predecessors(self) -> dict[S, set[S]]:
+        pred: dict[S, set[S]] = {s: set() for s in self.states}
         for r in self.rows:
             pred[r.dest].add(r.source)
         return pred
 
 
-def _order(state: State) -> int:
-    return list(State).index(state)
+def _by_name(state: enum.Enum) -> str:
+    return state.name
 
 
-def _closure(start: set[State], edges: dict[State, set[State]]) -> set[State]:
+def _closure(start: set[S], edges: dict[S, set[S]]) -> set[S]:
     seen = set(start)
     todo = deque(start)
     while todo:
@@ -363,7 +454,3 @@ def _closure(start: set[State], edges: dict[State, set[State]]) -> set[State]:
                 seen.add(nxt)
                 todo.append(nxt)
     return seen
-
-
-TABLE: Final[Table] = Table(TRANSITIONS)
-"""The request KV lifecycle, validated at import."""

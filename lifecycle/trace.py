@@ -11,17 +11,23 @@ did not track), ``epoch`` the tracker's epoch after the event (a
 preemption starts a new one), ``outcome`` the state the event led to, or
 ``"illegal"`` / ``"stale"`` (stale lines add ``job_epoch``, the
 completion's epoch).
-Lines with a ``"meta"`` key mark a session start (``"start"``) and how
-many events a full trace dropped (``"dropped"``).
+Lines with a ``"meta"`` key mark a session start (``"start"``, with the
+traced table's ``table`` name and ``fingerprint``) and how many events a
+full trace dropped (``"dropped"``).
 
-`replay` feeds a trace through a fresh, non-strict machine, one session
-at a time, and rebuilds each request's path, its first illegal ordering,
-and the machine's transition, illegal and stale counts, so an incident can
-be explained without the engine.
+`replay` feeds a trace through a fresh, non-strict machine of the same
+table, one session at a time, and rebuilds each request's path, its first
+illegal ordering, and the machine's transition, illegal and stale counts,
+so an incident can be explained without the engine.  A trace recorded with
+another table (another fingerprint) is refused (`TableMismatchError`).
+
+The writer never does file I/O on the event path: observers run under the
+machine's lock, so they only queue lines; a background thread writes them.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -37,8 +43,7 @@ import attrs
 from lifecycle.errors import LifecycleError
 from lifecycle.machine import LifecycleMachine
 from lifecycle.registry import Registry
-from lifecycle.states import Event, State
-from lifecycle.table import TABLE, Table
+from lifecycle.table import Table, event_name
 from lifecycle.tracker import Tracker
 
 log: Final = logging.getLogger("lifecycle.trace")
@@ -52,7 +57,10 @@ UNKNOWN: Final = "unknown"
 _Q: Final = '"'
 
 
-def _state_name(state: State | None) -> str:
+AnyMachine = LifecycleMachine[Any, Any, Any]
+
+
+def _state_name(state: enum.Enum | None) -> str:
     return UNKNOWN if state is None else state.name
 
 
@@ -79,6 +87,24 @@ class TraceError(LifecycleError):
         super().__init__(f"trace {path}: {reason}")
 
 
+class TableMismatchError(TraceError):
+    """A trace was recorded with another table than the one replaying it.
+
+    Attributes:
+        expected: The replaying table's fingerprint.
+        found: The trace's fingerprint.
+    """
+
+    def __init__(self, path: str, expected: str, found: str) -> None:
+        self.expected = expected
+        self.found = found
+        super().__init__(
+            path,
+            f"recorded with table fingerprint {found}, replaying with "
+            f"{expected}: pass the right table (--table MODULE:NAME)",
+        )
+
+
 # -- writing ---------------------------------------------------------------
 
 
@@ -87,10 +113,13 @@ class TraceWriter:
 
     Thread safe.  Lines are batched and appended whole, with one
     ``write`` per batch on an ``O_APPEND`` file, so processes sharing a
-    file never split each other's lines; a background thread flushes the
-    batch every `flush_interval` seconds, so a crash loses at most that
-    much.  After `max_events` event lines it stops writing, logs one
-    warning and counts the rest in `dropped`; `close` then appends a
+    file never split each other's lines; a background thread writes the
+    batch every `flush_interval` seconds, or at once when it is full, so a
+    crash loses at most that much.  The event path (under the machine's
+    lock) only queues lines: it never writes to the file.  The session's
+    ``start`` line is written at the first `attach` and names the table.
+    After `max_events` event lines it stops writing, logs one warning and
+    counts the rest in `dropped`; `close` then appends a
     ``{"meta": "dropped"}`` line.
 
     Args:
@@ -125,12 +154,13 @@ class TraceWriter:
         self._pending: list[str] = []
         self._lock = threading.Lock()  # the counters and the batch
         self._io_lock = threading.Lock()  # batches reach the file in order
-        self._machines: list[LifecycleMachine] = []
+        self._machines: list[AnyMachine] = []
+        self._table: Table[Any, Any] | None = None
         # One bound method each, so `remove_observer` finds them again.
         self._on_transition = self.transition
         self._on_rejected = self.rejected
         self._stop = threading.Event()
-        self._meta({"meta": "start", "time": clock(), "pid": os.getpid()})
+        self._wake = threading.Event()
         self._flusher = threading.Thread(
             target=self._flush_every,
             args=(flush_interval,),
@@ -152,26 +182,59 @@ class TraceWriter:
             raise TraceError(str(path), exc.strerror or str(exc)) from exc
         return cls(stream, name=str(path), **kwargs)
 
-    def attach(self, machine: LifecycleMachine) -> None:
-        """Trace every event `machine` applies or refuses from now on."""
+    def attach(self, machine: AnyMachine) -> None:
+        """Trace every event `machine` applies or refuses from now on.
+
+        Raises:
+            ValueError: another machine of a different table is attached.
+        """
+        table = machine.table
+        if self._table is None:
+            self._table = table
+            self._start(table)
+        elif table.fingerprint != self._table.fingerprint:
+            msg = (
+                f"trace {self.name} records table {self._table.name} "
+                f"({self._table.fingerprint}); cannot attach a machine of "
+                f"{table.name} ({table.fingerprint})"
+            )
+            raise ValueError(msg)
         machine.add_observer(self._on_transition)
         machine.add_reject_observer(self._on_rejected)
         self._machines.append(machine)
 
+    def _start(self, table: Table[Any, Any] | None) -> None:
+        record: dict[str, object] = {
+            "meta": "start",
+            "time": self._clock(),
+            "pid": os.getpid(),
+        }
+        if table is not None:
+            record |= {"table": table.name, "fingerprint": table.fingerprint}
+        self._meta(record)
+
     def transition(
-        self, tracker: Tracker, source: State, event: Event, dest: State
+        self,
+        tracker: Tracker[Any],
+        source: enum.Enum,
+        event: enum.Enum,
+        dest: enum.Enum,
     ) -> None:
         """Observer: `event` moved `tracker` from `source` to `dest`."""
         self._event(
-            tracker.req_id, tracker.epoch, source.name, event.value, dest.name
+            tracker.req_id,
+            tracker.epoch,
+            source.name,
+            event_name(event),
+            dest.name,
         )
 
     def rejected(
         self,
         req_id: str,
         epoch: int | None,
-        state: State | None,
-        event: Event,
+        state: enum.Enum | None,
+        event: enum.Enum,
         job_epoch: int | None,
     ) -> None:
         """Reject observer: `event` was illegal, or stale (`job_epoch`)."""
@@ -179,7 +242,7 @@ class TraceWriter:
             req_id,
             epoch,
             None if state is None else state.name,
-            event.value,
+            event_name(event),
             ILLEGAL if job_epoch is None else STALE,
             job_epoch=job_epoch,
         )
@@ -197,13 +260,13 @@ class TraceWriter:
         if self.written >= self.max_events:
             self._drop()
             return
-        # State names and event values are identifiers: only the id needs
+        # State names are identifiers: only the id and the event need
         # escaping.  Hand-built: a third of the cost of json.dumps.
         line = (
             f'{{"time":{self._clock()!r},"req_id":{_quote(req_id)},'
             f'"epoch":{_json_int(epoch)},'
             f'"state":{"null" if state is None else f"{_Q}{state}{_Q}"},'
-            f'"event":"{event}","outcome":"{outcome}"'
+            f'"event":{_quote(event)},"outcome":"{outcome}"'
             + ("}\n" if job_epoch is None else f',"job_epoch":{job_epoch}}}\n')
         )
         with self._lock:
@@ -216,7 +279,7 @@ class TraceWriter:
             self._pending.append(line)
             full = len(self._pending) >= self.BATCH_LINES
         if full:
-            self.flush()
+            self._wake.set()  # the flusher writes: no I/O under the lock
 
     def _drop(self) -> None:
         with self._lock:
@@ -237,7 +300,7 @@ class TraceWriter:
         with self._lock:
             if self._stream is not None:
                 self._pending.append(line)
-        self.flush()
+        self._wake.set()
 
     def flush(self) -> None:
         """Append the pending lines to the file, in one write."""
@@ -253,7 +316,9 @@ class TraceWriter:
                 log.warning("lifecycle trace %s: %s", self.name, exc)
 
     def _flush_every(self, interval: float) -> None:
-        while not self._stop.wait(interval):
+        while not self._stop.is_set():
+            self._wake.wait(interval)
+            self._wake.clear()
             self.flush()
 
     def close(self) -> None:
@@ -262,7 +327,10 @@ class TraceWriter:
             machine.remove_observer(self._on_transition)
             machine.remove_observer(self._on_rejected)
         self._machines.clear()
+        if self._table is None and not self.closed:
+            self._start(None)  # never attached: still one session
         self._stop.set()
+        self._wake.set()
         if self._flusher is not threading.current_thread():
             self._flusher.join()
         if self.dropped and not self.closed:
@@ -282,12 +350,12 @@ class TraceWriter:
 # -- counts ------------------------------------------------------------------
 
 
-def pair_key(state: State | None, event: Event) -> str:
+def pair_key(state: enum.Enum | None, event: enum.Enum) -> str:
     """``"STATE/event"``: how (state, event) counts are keyed in reports."""
-    return f"{_state_name(state)}/{event.value}"
+    return f"{_state_name(state)}/{event_name(event)}"
 
 
-def summarize(machine: LifecycleMachine) -> dict[str, dict[str, int]]:
+def summarize(machine: AnyMachine) -> dict[str, dict[str, int]]:
     """A machine's non-zero counts, keyed as `Replay.summary` keys them.
 
     ``transitions`` by row (``"SAVING --preempt--> PREEMPTED"``),
@@ -326,8 +394,8 @@ class Record:
     time: float
     req_id: str
     epoch: int | None
-    state: State | None
-    event: Event
+    state: Any
+    event: Any
     outcome: str
     job_epoch: int | None = None
 
@@ -383,7 +451,7 @@ class RequestReplay:
         previous: tuple[str, str] | None = None
         repeat = 0
         for step in self.steps:
-            key = (step.event.value, step.outcome)
+            key = (event_name(step.event), step.outcome)
             if key == previous:
                 repeat += 1
                 continue
@@ -391,9 +459,9 @@ class RequestReplay:
                 parts[-1] += f" (x{repeat + 1})"
             previous, repeat = key, 0
             if step.outcome in {ILLEGAL, STALE}:
-                parts.append(f"[{step.outcome} {step.event.value}]")
+                parts.append(f"[{step.outcome} {event_name(step.event)}]")
             else:
-                parts.append(f"-{step.event.value}-> {step.outcome}")
+                parts.append(f"-{event_name(step.event)}-> {step.outcome}")
         if repeat:
             parts[-1] += f" (x{repeat + 1})"
         return " ".join(parts)
@@ -412,7 +480,7 @@ class RequestReplay:
             else {
                 "line": first.line,
                 "state": _state_name(first.state),
-                "event": first.event.value,
+                "event": event_name(first.event),
                 "epoch": first.epoch,
             },
         }
@@ -434,7 +502,7 @@ class Replay:
         malformed: Line numbers that were not valid trace lines.
     """
 
-    machine: LifecycleMachine
+    machine: AnyMachine
     requests: dict[str, RequestReplay] = attrs.Factory(dict)
     events: int = 0
     sessions: int = 0
@@ -478,15 +546,15 @@ class Replay:
             if first is not None:
                 out.append(
                     f"    first illegal ordering: line {first.line}: "
-                    f"`{first.event.value}` in {_state_name(first.state)} "
-                    f"(epoch {first.epoch})"
+                    f"`{event_name(first.event)}` in "
+                    f"{_state_name(first.state)} (epoch {first.epoch})"
                 )
         for d in self.divergences[:20]:
             r = d.record
             out.append(
                 f"divergence at line {r.line} ({r.req_id}): trace says "
-                f"{_state_name(r.state)} -{r.event.value}-> {r.outcome}, "
-                f"replay had {d.replayed}"
+                f"{_state_name(r.state)} -{event_name(r.event)}-> "
+                f"{r.outcome}, replay had {d.replayed}"
             )
         counts = summarize(self.machine)
         for title in ("transitions", "illegal", "stale"):
@@ -499,11 +567,14 @@ class Replay:
         return "\n".join(out) + "\n"
 
 
-def parse(text: str, line: int) -> Record | dict[str, Any]:
-    """One trace line: a `Record`, or the dict of a ``meta`` line.
+def parse(
+    text: str, line: int, table: Table[Any, Any]
+) -> Record | dict[str, Any]:
+    """One trace line of `table`: a `Record`, or the dict of a ``meta`` line.
 
     Raises:
         ValueError: the line is not a trace line.
+        KeyError: it names a state or event `table` does not have.
     """
     data = json.loads(text)
     if not isinstance(data, dict):
@@ -524,8 +595,8 @@ def parse(text: str, line: int) -> Record | dict[str, Any]:
         time=float(data["time"]),
         req_id=req_id,
         epoch=None if epoch is None else int(epoch),
-        state=None if state is None else State[state],
-        event=Event(data["event"]),
+        state=None if state is None else table.state_named(state),
+        event=table.event_named(data["event"]),
         outcome=outcome,
         job_epoch=None if job_epoch is None else int(job_epoch),
     )
@@ -534,15 +605,29 @@ def parse(text: str, line: int) -> Record | dict[str, Any]:
 class _Replayer:
     """Feeds records through a fresh registry; one session at a time."""
 
-    def __init__(self, table: Table) -> None:
-        machine = LifecycleMachine(table, logger=_REPLAY_LOG)
-        self.result = Replay(machine)
-        self.registry: Registry[Tracker] = Registry(
-            self.result.machine, Tracker
+    def __init__(self, table: Table[Any, Any], path: str) -> None:
+        # Callbacks and guards stay out: a trace records each event's
+        # outcome and epoch, not the tracker data callbacks need.
+        machine: AnyMachine = LifecycleMachine(
+            table.without_callbacks(), logger=_REPLAY_LOG
         )
+        self.table = table
+        self.path = path
+        self.result = Replay(machine)
+        initial = table.initial
+
+        def factory(req_id: str) -> Tracker[Any]:
+            return Tracker(req_id, initial)
+
+        self.registry = Registry(self.result.machine, factory)
         self.open: dict[str, RequestReplay] = {}
 
     def meta(self, data: dict[str, Any]) -> None:
+        found = data.get("fingerprint")
+        if found is not None and found != self.table.fingerprint:
+            raise TableMismatchError(
+                self.path, self.table.fingerprint, str(found)
+            )
         if data["meta"] == "start":
             self.result.sessions += 1
             for req_id in list(self.open):
@@ -579,20 +664,21 @@ class _Replayer:
                 stale_epoch = tracker.epoch - 1
             self.registry.fire_on(tracker, r.event, epoch=stale_epoch)
             return
-        epoch = r.epoch or 0
         applied = self.registry.fire_on(tracker, r.event)
-        if applied and tracker.epoch != epoch:
-            self._diverged(r, f"epoch {tracker.epoch}")
-            tracker.epoch = epoch
+        if applied:
+            # The table's callbacks (not replayed) may start a new epoch.
+            tracker.epoch = r.epoch or 0
         replayed = tracker.state.name if applied else ILLEGAL
         if replayed != r.outcome:
             self._diverged(r, replayed)
-            if r.outcome in State.__members__:
-                tracker.state = State[r.outcome]
-                if tracker.state.terminal:
-                    self.registry.discard(r.req_id)
+            try:
+                tracker.state = self.table.state_named(r.outcome)
+            except KeyError:
+                return
+            if tracker.state in self.table.terminal:
+                self.registry.discard(r.req_id)
 
-    def _tracker(self, r: Record) -> Tracker:
+    def _tracker(self, r: Record) -> Tracker[Any]:
         """The replayed tracker, resynchronised to the recorded state."""
         tracker = self.registry.get_or_create(r.req_id)
         if tracker.state is not r.state and r.state is not None:
@@ -618,18 +704,31 @@ class _Replayer:
             seen.append(Divergence(r, replayed))
 
 
-def replay(lines: Iterable[str], *, table: Table = TABLE) -> Replay:
+def replay(
+    lines: Iterable[str],
+    *,
+    table: Table[Any, Any] | None = None,
+    path: str = "<lines>",
+) -> Replay:
     """Replay trace lines through `table` on a fresh, non-strict machine.
 
-    Malformed lines (a line cut short by a crash, say) are listed in
-    `Replay.malformed` and skipped.
+    `table` defaults to the KV lifecycle (`lifecycle.kv.TABLE`).
+    Malformed lines (a line cut short by a crash, say, or a state or event
+    the table does not have) are listed in `Replay.malformed` and skipped.
+
+    Raises:
+        TableMismatchError: the trace names another table's fingerprint.
     """
-    replayer = _Replayer(table)
+    if table is None:
+        from lifecycle.kv import TABLE  # noqa: PLC0415 - the default only
+
+        table = TABLE
+    replayer = _Replayer(table, path)
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
         try:
-            parsed = parse(text, number)
+            parsed = parse(text, number, table)
         except (ValueError, KeyError, TypeError):
             replayer.result.malformed.append(number)
             continue
@@ -648,6 +747,6 @@ def replay_file(path: str | os.PathLike[str], **kwargs: Any) -> Replay:
     """
     try:
         with Path(path).open(encoding="utf-8") as stream:
-            return replay(stream, **kwargs)
+            return replay(stream, path=str(path), **kwargs)
     except OSError as exc:
         raise TraceError(str(path), exc.strerror or str(exc)) from exc

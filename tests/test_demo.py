@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 
 from benchmarks import soak
 from demo.__main__ import main as demo_main
-from lifecycle import Event
+from lifecycle.kv import Event
 from lifecycle.trace import replay_file
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]

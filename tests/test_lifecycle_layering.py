@@ -53,14 +53,16 @@ def test_misspelled_event_is_a_type_error(tmp_path) -> None:
     """`mypy --strict` rejects an event that the table does not define."""
     good = tmp_path / "good.py"
     good.write_text(
-        "from lifecycle import Event, LifecycleMachine, Tracker\n"
-        "LifecycleMachine().fire(Tracker('r'), Event.LOOKUP)\n"
+        "from lifecycle import LifecycleMachine\n"
+        "from lifecycle.kv import TABLE, Event, KVTracker\n"
+        "LifecycleMachine(TABLE).fire(KVTracker('r'), Event.LOOKUP)\n"
     )
     bad = tmp_path / "bad.py"
     bad.write_text(
-        "from lifecycle import Event, LifecycleMachine, Tracker\n"
-        "LifecycleMachine().fire(Tracker('r'), Event.LOOKUPP)\n"
-        "LifecycleMachine().fire(Tracker('r'), 'lookup')\n"
+        "from lifecycle import LifecycleMachine\n"
+        "from lifecycle.kv import TABLE, Event, KVTracker\n"
+        "LifecycleMachine(TABLE).fire(KVTracker('r'), Event.LOOKUPP)\n"
+        "LifecycleMachine(TABLE).fire(KVTracker('r'), 'lookup')\n"
     )
     cmd = [sys.executable, "-m", "mypy", "--strict", "--no-incremental"]
     env_ok = subprocess.run(

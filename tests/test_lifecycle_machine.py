@@ -13,17 +13,21 @@ import pytest
 from hypothesis import given, settings
 
 from lifecycle import (
-    Event,
     IllegalTransition,
     LifecycleMachine,
     Registry,
-    State,
-    Tracker,
     UnknownRequest,
 )
-from lifecycle.testing import event_sequences, tracker_in
+from lifecycle.kv import TABLE, Event, State
+from lifecycle.kv import KVTracker as Tracker
+from lifecycle.testing import event_sequences
+from lifecycle.testing import tracker_in as _tracker_in
 
 E = Event
+
+
+def tracker_in(state, machine):
+    return _tracker_in(state, machine, Tracker)
 
 
 def _drive(machine: LifecycleMachine, tracker: Tracker, *events: Event):
@@ -33,7 +37,7 @@ def _drive(machine: LifecycleMachine, tracker: Tracker, *events: Event):
 class TestStories:
     def test_preempt_then_finish_is_legal(self) -> None:
         """vLLM #43281: finish after preemption never asserts."""
-        machine = LifecycleMachine(strict=True)
+        machine = LifecycleMachine(TABLE, strict=True)
         t = Tracker("r")
         ok = _drive(
             machine, t, E.LOOKUP, E.ALLOC_LOCAL, E.PREEMPT, E.RESET, E.FINISH
@@ -42,7 +46,7 @@ class TestStories:
         assert (t.state, t.epoch) == (State.FINISHED, 1)
 
     def test_abort_during_load_drains_until_the_load_settles(self) -> None:
-        machine = LifecycleMachine(strict=True)
+        machine = LifecycleMachine(TABLE, strict=True)
         t = Tracker("r")
         _drive(machine, t, E.LOOKUP, E.ALLOC_EXTERNAL, E.ABORT)
         assert t.state is State.DRAINING
@@ -51,7 +55,7 @@ class TestStories:
         assert t.state is State.ABORTED
 
     def test_resume_after_reset(self) -> None:
-        machine = LifecycleMachine(strict=True)
+        machine = LifecycleMachine(TABLE, strict=True)
         t = Tracker("r")
         _drive(machine, t, E.ALLOC_LOCAL, E.PREEMPT, E.RESET)
         assert _drive(machine, t, E.LOOKUP, E.LOOKUP, E.ALLOC_LOCAL)
@@ -60,7 +64,7 @@ class TestStories:
 
     def test_stale_completion_never_touches_the_new_epoch(self) -> None:
         """vLLM #51637: a job of epoch 0 completes after preemption."""
-        machine = LifecycleMachine(strict=True)
+        machine = LifecycleMachine(TABLE, strict=True)
         t = Tracker("r")
         _drive(machine, t, E.ALLOC_LOCAL, E.SAVE_ISSUED, E.PREEMPT)
         _drive(machine, t, E.RESET, E.ALLOC_LOCAL, E.RESUME)
@@ -72,7 +76,7 @@ class TestStories:
 
 class TestPolicy:
     def test_illegal_is_a_counted_noop(self) -> None:
-        machine = LifecycleMachine()
+        machine = LifecycleMachine(TABLE)
         t = Tracker("r", num_tokens=5)
         before = attrs.asdict(t)
         assert machine.fire(t, E.LOAD_DONE) is False
@@ -80,7 +84,7 @@ class TestPolicy:
         assert machine.illegal_counts == {(State.NEW, E.LOAD_DONE): 1}
 
     def test_strict_raises_with_data(self) -> None:
-        machine = LifecycleMachine(strict=True)
+        machine = LifecycleMachine(TABLE, strict=True)
         t = Tracker("req-9")
         with pytest.raises(IllegalTransition) as info:
             machine.fire(t, E.SAVE_DONE)
@@ -95,7 +99,7 @@ class TestPolicy:
         assert t.state is State.NEW
 
     def test_log_is_rate_limited_per_pair(self, caplog) -> None:
-        machine = LifecycleMachine(log_interval=3600)
+        machine = LifecycleMachine(TABLE, log_interval=3600)
         caplog.set_level(logging.WARNING, logger="lifecycle")
         for i in range(500):
             machine.fire(Tracker(f"r{i}"), E.LOAD_DONE)
@@ -109,7 +113,7 @@ class TestPolicy:
         assert machine.illegal_counts[(State.NEW, E.LOAD_DONE)] == 500
 
     def test_suppressed_count_reported_on_next_record(self, caplog) -> None:
-        machine = LifecycleMachine(log_interval=0.0)
+        machine = LifecycleMachine(TABLE, log_interval=0.0)
         machine._illegal_log.interval = 3600
         caplog.set_level(logging.WARNING, logger="lifecycle")
         for i in range(4):
@@ -120,21 +124,19 @@ class TestPolicy:
         assert [f["suppressed"] for f in fields] == [0, 3]
 
     def test_registry_unknown_id_policy(self) -> None:
-        machine = LifecycleMachine()
-        reg: Registry[Tracker] = Registry(machine, Tracker)
+        machine = LifecycleMachine(TABLE)
+        reg = Registry(machine, Tracker)
         assert reg.fire("ghost", E.FINISH) is False
         assert machine.illegal_counts[(None, E.FINISH)] == 1
         assert reg.fire("ghost", E.SAVE_DONE, known=False) is False
         assert machine.illegal_counts[(None, E.SAVE_DONE)] == 0
-        strict: Registry[Tracker] = Registry(
-            LifecycleMachine(strict=True), Tracker
-        )
+        strict = Registry(LifecycleMachine(TABLE, strict=True), Tracker)
         with pytest.raises(UnknownRequest) as info:
             strict.fire("ghost", E.ABORT)
         assert (info.value.req_id, info.value.state) == ("ghost", None)
 
     def test_registry_drops_terminal_trackers(self) -> None:
-        reg: Registry[Tracker] = Registry(LifecycleMachine(), Tracker)
+        reg = Registry(LifecycleMachine(TABLE), Tracker)
         reg.get_or_create("a")
         reg.get_or_create("b")
         assert reg.fire("a", E.ABORT)
@@ -143,7 +145,7 @@ class TestPolicy:
         assert [t.req_id for t in reg] == ["b"]
 
     def test_transition_counts_and_observers(self) -> None:
-        machine = LifecycleMachine()
+        machine = LifecycleMachine(TABLE)
         seen = []
         machine.add_observer(
             lambda t, s, e, d: seen.append((t.req_id, s, e, d))
@@ -190,13 +192,13 @@ class TestTracker:
         assert not hasattr(a, "__dict__")
 
     def test_trackers_hold_no_bound_methods(self) -> None:
-        machine = LifecycleMachine()
+        machine = LifecycleMachine(TABLE)
         t = tracker_in(State.RESET, machine)
         values = [getattr(t, f.name) for f in attrs.fields(Tracker)]
         assert not any(callable(v) for v in values)
 
     def test_dropped_trackers_are_freed_without_gc(self) -> None:
-        machine = LifecycleMachine()
+        machine = LifecycleMachine(TABLE)
         gc.disable()
         try:
             refs = []
@@ -216,12 +218,12 @@ class TestTracker:
 class TestDifferential:
     @pytest.mark.parametrize("thread_safe", [True, False])
     @settings(max_examples=300, deadline=None)
-    @given(events=event_sequences())
+    @given(events=event_sequences(TABLE))
     def test_fast_path_matches_stock_transitions(
         self, thread_safe, events
     ) -> None:
         """The compiled dispatch == transitions' own trigger, callbacks too."""
-        machine = LifecycleMachine(thread_safe=thread_safe)
+        machine = LifecycleMachine(TABLE, thread_safe=thread_safe)
         fast, stock = Tracker("r"), Tracker("r")
         for seed in (fast, stock):
             seed.block_ids.extend([1, 2])
@@ -235,7 +237,7 @@ class TestDifferential:
 class TestThreads:
     def test_concurrent_firing_never_loses_or_tears(self) -> None:
         """Exactly one of many racing preempts applies, per tracker."""
-        machine = LifecycleMachine()
+        machine = LifecycleMachine(TABLE)
         trackers = [tracker_in(State.SAVING, machine) for _ in range(400)]
         wins = [0] * 8
         barrier = threading.Barrier(8)

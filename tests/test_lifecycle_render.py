@@ -10,16 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle import TABLE, Event, State, render
-from lifecycle.render import DIAGRAM_DIR
+from lifecycle import render
+from lifecycle.kv import TABLE, Event, State
 
 ROOT = Path(__file__).resolve().parent.parent
+DIAGRAM_DIR = ROOT / "diagrams"
 
 
 def _dot_edges(dot: str) -> set[tuple[str, str, str]]:
     edges = set()
     for src, dst, label in re.findall(
-        r"^  (\w+) -> (\w+) \[label=\"([^\"]*)\"", dot, re.MULTILINE
+        r"^  \"(\w+)\" -> \"(\w+)\" \[label=\"([^\"]*)\"", dot, re.MULTILINE
     ):
         for part in label.split("\\n"):
             edges.add((src, part.split(" / ")[0], dst))
@@ -27,8 +28,8 @@ def _dot_edges(dot: str) -> set[tuple[str, str, str]]:
 
 
 def test_dot_nodes_are_states_and_edges_are_rows() -> None:
-    dot = render.to_dot()
-    nodes = set(re.findall(r"^  (\w+) \[label=", dot, re.MULTILINE))
+    dot = render.to_dot(TABLE)
+    nodes = set(re.findall(r"^  \"(\w+)\" \[label=", dot, re.MULTILINE))
     assert nodes == {s.name for s in TABLE.states}
     assert _dot_edges(dot) == {
         (r.source.name, r.event.value, r.dest.name) for r in TABLE.rows
@@ -36,7 +37,7 @@ def test_dot_nodes_are_states_and_edges_are_rows() -> None:
 
 
 def test_mermaid_covers_every_row() -> None:
-    mmd = render.to_mermaid()
+    mmd = render.to_mermaid(TABLE)
     assert mmd.startswith("stateDiagram-v2\n    [*] --> NEW\n")
     for row in TABLE.rows:
         line = next(
@@ -51,17 +52,17 @@ def test_mermaid_covers_every_row() -> None:
 
 
 def test_markdown_table_has_one_line_per_row() -> None:
-    md = render.to_markdown().splitlines()
+    md = render.to_markdown(TABLE).splitlines()
     assert len(md) == 2 + len(TABLE.rows)
     assert "| PREEMPTED | `reset` | RESET | `clear_progress` |" in md
 
 
 def test_output_is_deterministic() -> None:
-    assert render.artifacts() == render.artifacts()
+    assert render.artifacts(TABLE) == render.artifacts(TABLE)
 
 
 def test_committed_diagrams_are_fresh() -> None:
-    diffs, _ = render.check(DIAGRAM_DIR)
+    diffs, _ = render.check(DIAGRAM_DIR, TABLE)
     assert diffs == []
 
 
@@ -69,13 +70,14 @@ def test_live_diagram_weights_and_illegal_edges() -> None:
     counts = dict.fromkeys(TABLE.rows, 0)
     counts[TABLE.rows[0]] = 9
     dot = render.to_dot(
+        TABLE,
         counts=counts,
         illegal={(State.FINISHED, Event.FINISH): 2, (None, Event.ABORT): 1},
     )
     assert "lookup\\nx9" in dot
     assert "penwidth=6.00" in dot
-    assert 'FINISHED -> FINISHED [label="finish ✗2", style=dashed' in dot
-    assert "__unknown -> __unknown" in dot
+    assert '"FINISHED" -> "FINISHED" [label="finish ✗2", style=dashed' in dot
+    assert '"__unknown" -> "__unknown"' in dot
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -95,24 +97,26 @@ def test_check_cli_passes_then_fails_after_a_hand_edit(tmp_path) -> None:
     assert ok.returncode == 0, ok.stderr
     dot = out / "lifecycle.dot"
     dot.write_text(
-        dot.read_text().replace("SAVING -> PREEMPTED", "SAVING -> NEW")
+        dot.read_text().replace('"SAVING" -> "PREEMPTED"', '"SAVING" -> "NEW"')
     )
     stale = _cli("render", "--check", "--out", str(out))
     assert stale.returncode == 1
-    assert "-  SAVING -> NEW" in stale.stderr
-    assert "+  SAVING -> PREEMPTED" in stale.stderr
+    assert '-  "SAVING" -> "NEW"' in stale.stderr
+    assert '+  "SAVING" -> "PREEMPTED"' in stale.stderr
     assert "stale" in stale.stderr
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="no graphviz `dot`")
 def test_svg_is_rendered_and_checked(tmp_path) -> None:
     out = tmp_path / "d"
-    render.write(out)
+    render.write(out, TABLE)
     svg = (out / "lifecycle.svg").read_text()
     assert svg.lstrip().startswith("<?xml")
     assert all(s.name in svg for s in TABLE.states)
-    (out / "lifecycle.svg").write_text(svg.replace("PREEMPTED", "X", 1))
-    diffs, skipped = render.check(out)
+    edited = svg.replace("<title>PREEMPTED</title>", "<title>X</title>")
+    assert edited != svg
+    (out / "lifecycle.svg").write_text(edited)
+    diffs, skipped = render.check(out, TABLE)
     assert skipped == []
     assert len(diffs) == 1
     assert "lifecycle.svg" in diffs[0]
@@ -121,4 +125,4 @@ def test_svg_is_rendered_and_checked(tmp_path) -> None:
 def test_table_cli_prints_markdown() -> None:
     done = _cli("table")
     assert done.returncode == 0
-    assert done.stdout == render.to_markdown()
+    assert done.stdout == render.to_markdown(TABLE)

@@ -1,10 +1,11 @@
-"""Transition-table tests generated from `lifecycle.TABLE`."""
+"""Transition-table tests generated from `lifecycle.kv.TABLE`."""
 
 from __future__ import annotations
 
 import pytest
 
-from lifecycle import TABLE, TERMINAL, Event, LifecycleMachine, State
+from lifecycle import LifecycleMachine
+from lifecycle.kv import TABLE, TERMINAL, Event, KVTracker, State
 from lifecycle.testing import (
     Case,
     check_case,
@@ -16,28 +17,28 @@ from lifecycle.testing import (
 )
 
 
-@pytest.mark.parametrize("case", pytest_cases())
+@pytest.mark.parametrize("case", pytest_cases(TABLE))
 def test_every_state_event_pair(case: Case) -> None:
     """Legal: target. Illegal: unchanged, counted, logged; strict raises."""
-    check_case(case)
+    check_case(case, TABLE, KVTracker)
 
 
 def test_matrix_is_the_full_product() -> None:
-    cases = matrix()
+    cases = matrix(TABLE)
     assert len(cases) == len(TABLE.states) * len(Event)
     assert sum(c.legal for c in cases) == len(TABLE.rows)
 
 
 def test_machine_agrees_with_table_edge_for_edge() -> None:
-    assert machine_mismatches(LifecycleMachine()) == []
+    assert machine_mismatches(LifecycleMachine(TABLE)) == []
 
 
 def test_shortest_paths_reach_every_state() -> None:
-    paths = shortest_paths()
+    paths = shortest_paths(TABLE)
     assert set(paths) == set(TABLE.states)
-    machine = LifecycleMachine(strict=True)
+    machine = LifecycleMachine(TABLE, strict=True)
     for state in TABLE.states:
-        assert tracker_in(state, machine).state is state
+        assert tracker_in(state, machine, KVTracker).state is state
 
 
 def test_finish_and_abort_accepted_from_every_non_terminal_state() -> None:
@@ -57,8 +58,8 @@ def test_no_save_while_loading() -> None:
 
 
 def test_preempt_bumps_epoch_and_releases_blocks() -> None:
-    machine = LifecycleMachine(strict=True)
-    tracker = tracker_in(State.SAVING, machine)
+    machine = LifecycleMachine(TABLE, strict=True)
+    tracker = tracker_in(State.SAVING, machine, KVTracker)
     tracker.block_ids.extend([3, 4])
     tracker.pending_jobs.add(7)
     assert machine.fire(tracker, Event.PREEMPT)

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from lifecycle import TRANSITIONS, Event, InvalidTable, Row, State, Table
+from lifecycle import InvalidTable, Row, Table
+from lifecycle.kv import TERMINAL, TRANSITIONS, Event, State
 
 S, E = State, Event
+KV = {
+    "initial": S.NEW,
+    "terminal": TERMINAL,
+    "total_events": (E.FINISH, E.ABORT),
+}
 
 
 def _without(*keys: tuple[State, Event]) -> list[Row]:
@@ -15,12 +21,12 @@ def _without(*keys: tuple[State, Event]) -> list[Row]:
 
 def _reject(rows: list[Row], **kw: object) -> InvalidTable:
     with pytest.raises(InvalidTable) as info:
-        Table(rows, **kw)  # type: ignore[arg-type]
+        Table(rows, **(KV | kw))  # type: ignore[arg-type]
     return info.value
 
 
 def test_the_shipped_table_is_valid() -> None:
-    assert len(Table(TRANSITIONS).rows) == len(TRANSITIONS)
+    assert len(Table(TRANSITIONS, **KV).rows) == len(TRANSITIONS)
 
 
 def test_unknown_state_in_a_row() -> None:
@@ -73,11 +79,13 @@ def test_exit_from_terminal_state() -> None:
     assert "FINISHED --lookup--> NEW" in str(err)
 
 
-def test_unknown_callback() -> None:
+def test_a_callback_that_is_not_callable() -> None:
+    """Rows hold callables; a name (the old API) is rejected."""
     bad = Row(S.NEW, E.RESUME, S.SAVING, after=("no_such_cb",))
     err = _reject([*TRANSITIONS, bad])
-    assert err.kinds == {"unknown-callback"}
+    assert err.kinds == {"bad-callback"}
     assert "'no_such_cb'" in str(err)
+    assert err.problems[0].rows == (bad,)
 
 
 def test_finish_missing_from_a_non_terminal_state() -> None:

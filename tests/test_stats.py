@@ -25,7 +25,9 @@ from connector.stats import (
 )
 from connector.store import BatchResult, Op, Outcome, StoreStats
 from connector.vllm_connector import MooncakeLifecycleConnector
-from lifecycle import Event, LifecycleMachine, Registry, Tracker
+from lifecycle import LifecycleMachine, Registry
+from lifecycle.kv import TABLE, Event
+from lifecycle.kv import KVTracker as Tracker
 
 E = Event
 
@@ -59,7 +61,7 @@ def record(stats, op, outcomes, *, nbytes=0, elapsed_s=0.001):
 
 @pytest.fixture
 def lifecycle():
-    machine = LifecycleMachine()
+    machine = LifecycleMachine(TABLE)
     return machine, Registry(machine, Tracker)
 
 

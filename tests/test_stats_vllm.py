@@ -23,7 +23,7 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from connector.stats import LifecycleConnectorStats, MetricName
-from lifecycle import Event
+from lifecycle.kv import Event
 from lifecycle.trace import pair_key
 from tests.connector_helpers import CONNECTOR, prompt, run, side
 from tests.test_stats import registry_bound

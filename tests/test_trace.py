@@ -14,14 +14,13 @@ from hypothesis import strategies as st
 from connector.config import StoreConfig, TraceConfig
 from connector.errors import ConfigError
 from lifecycle import (
-    Event,
     IllegalTransition,
     LifecycleMachine,
     Registry,
-    State,
-    Tracker,
 )
 from lifecycle.__main__ import main
+from lifecycle.kv import TABLE, Event, State
+from lifecycle.kv import KVTracker as Tracker
 from lifecycle.trace import (
     DEFAULT_MAX_EVENTS,
     ILLEGAL,
@@ -51,7 +50,7 @@ def drive(registry, req_id, events):
 
 def open_traced(path, *, strict=False, **writer_options):
     """A machine, its registry and a writer tracing it to `path`."""
-    machine = LifecycleMachine(strict=strict)
+    machine = LifecycleMachine(TABLE, strict=strict)
     registry = Registry(machine, Tracker)
     writer = TraceWriter.open(path, **writer_options)
     writer.attach(machine)
@@ -414,7 +413,7 @@ def test_lines_reach_the_file_within_the_flush_interval(tmp_path):
 
 def test_two_writers_on_one_file_never_split_lines(tmp_path):
     path = tmp_path / "shared.jsonl"
-    machines = [LifecycleMachine() for _ in range(2)]
+    machines = [LifecycleMachine(TABLE) for _ in range(2)]
     writers = [TraceWriter.open(path, flush_interval=0.001) for _ in machines]
     for writer, machine in zip(writers, machines, strict=True):
         writer.attach(machine)

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from lifecycle import Event, State
+from lifecycle.kv import Event, State
 from lifecycle.trace import ILLEGAL, replay, replay_file, summarize
 from tests.connector_helpers import CONNECTOR, preempt_then_abort, side
 from tests.vllm_harness import Harness

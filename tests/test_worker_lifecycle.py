@@ -20,7 +20,8 @@ from connector.metadata import ConnectorMeta, JobKind, JobResult
 from connector.store import Regions
 from connector.transfer import HostOps, Staged, block_pieces, open_transfer
 from connector.worker import Verdict
-from lifecycle import Event, LifecycleMachine, State
+from lifecycle import LifecycleMachine
+from lifecycle.kv import Event, State
 from tests.connector_helpers import CONNECTOR, prompt, run
 from tests.worker_helpers import (
     Gate,

@@ -16,18 +16,21 @@ $(STAMP): $(REQS)
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check lifecycle connector demo tests benchmarks scripts e2e docs
-	$(PY) -m ruff format --check lifecycle connector demo tests benchmarks scripts e2e docs
+	$(PY) -m ruff check lifecycle connector demo tests benchmarks scripts e2e docs examples
+	$(PY) -m ruff format --check lifecycle connector demo tests benchmarks scripts e2e docs examples
 
 typecheck: $(STAMP)
-	$(PY) -m mypy --strict lifecycle connector demo
+	$(PY) -m mypy --strict lifecycle connector demo examples
 	$(PY) -m mypy --strict docs/_ext docs/conf.py
 
+# Every shipped table: the KV lifecycle and the P/D producer and consumer.
+SHIPPED_TABLES := lifecycle.kv:TABLE lifecycle.pd:PRODUCER lifecycle.pd:CONSUMER
+
 diagrams: $(STAMP)
-	$(PY) -m lifecycle render --out diagrams
+	for t in $(SHIPPED_TABLES); do $(PY) -m lifecycle render --table $$t --out diagrams || exit 1; done
 
 diagrams-check: $(STAMP)
-	$(PY) -m lifecycle render --check --out diagrams
+	for t in $(SHIPPED_TABLES); do $(PY) -m lifecycle render --table $$t --check --out diagrams || exit 1; done
 
 unit: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

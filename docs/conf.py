@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
+
+from sphinx.application import Sphinx
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE / "_ext")]
@@ -36,6 +39,27 @@ autodoc_mock_imports = ["vllm", "torch", "mooncake"]
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_ivar = True
+
+
+def _plural_code_refs(  # noqa: PLR0917 - autodoc's signature
+    app: object,
+    what: str,
+    name: str,
+    obj: object,
+    options: object,
+    lines: list[str],
+) -> None:
+    """Docstrings write plurals of references as `Name`s; make that rst."""
+    del app, what, name, obj, options
+    lines[:] = [
+        re.sub(r"(?<!`)`([\w.]+)`s\b", r"`\1`\\ s", ln) for ln in lines
+    ]
+
+
+def setup(app: Sphinx) -> None:
+    """Hook the docstring fix into autodoc."""
+    app.connect("autodoc-process-docstring", _plural_code_refs)
+
 
 html_theme = "alabaster"
 html_title = "kv-lifecycle"

@@ -77,7 +77,7 @@ def _rows(page: str, caption: str) -> list[list[str]]:
 
 
 def test_lifecycle_page_contains_the_rendered_diagrams(site) -> None:
-    from lifecycle.table import TABLE  # noqa: PLC0415
+    from lifecycle.kv import TABLE  # noqa: PLC0415
 
     page = (site / "lifecycles.html").read_text(encoding="utf-8")
     svg = re.search(r"<svg\b.*?</svg>", page, re.DOTALL)

@@ -12,30 +12,50 @@ from pathlib import Path
 
 import pytest
 
+from lifecycle.kv import TABLE
 from lifecycle.sphinxext import (
     TableReferenceError,
     load_table,
     transition_rows,
 )
-from lifecycle.table import TABLE
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # A connector author's own table, in its own module next to the docs.
 USER_TABLE = textwrap.dedent(
     """
-    from lifecycle import Event as E, Row, State as S, Table
+    import enum
+
+    from lifecycle import Row, Table
+
+    class S(enum.Enum):
+        NEW = "new"
+        SAVING = "saving"
+        FINISHED = "finished"
+        ABORTED = "aborted"
+
+    class E(enum.StrEnum):
+        ALLOC_LOCAL = "alloc_local"
+        SAVE_ISSUED = "save_issued"
+        FINISH = "finish"
+        ABORT = "abort"
+
+    def note(tracker):
+        pass
 
     TABLE = Table(
         [
-            Row(S.NEW, E.ALLOC_LOCAL, S.SAVING),
+            Row(S.NEW, E.ALLOC_LOCAL, S.SAVING, after=(note,)),
             Row(S.NEW, E.FINISH, S.FINISHED),
             Row(S.NEW, E.ABORT, S.ABORTED),
             Row(S.SAVING, E.FINISH, S.FINISHED),
             Row(S.SAVING, E.ABORT, S.ABORTED),
             {extra}
         ],
-        states=(S.NEW, S.SAVING, S.FINISHED, S.ABORTED),
+        initial=S.NEW,
+        terminal=(S.FINISHED, S.ABORTED),
+        total_events=(E.FINISH, E.ABORT),
+        name="mine",
     )
     """
 )
@@ -60,10 +80,10 @@ def _write_project(src: Path) -> None:
             Lifecycles
             ==========
 
-            .. lifecycle-diagram:: lifecycle.table:TABLE
+            .. lifecycle-diagram:: lifecycle.kv:TABLE
                :caption: The *KV* lifecycle.
 
-            .. lifecycle-table:: lifecycle.table:TABLE
+            .. lifecycle-table:: lifecycle.kv:TABLE
                :caption: KV transitions
 
             .. lifecycle-diagram:: mytable:TABLE
@@ -154,6 +174,7 @@ def test_html_build_renders_diagrams_and_tables(tmp_path) -> None:
         "PREEMPTED",
         "bump_epoch, release_blocks",
     ] in (kv_table)
+    assert ["NEW", "alloc_local", "SAVING", "note"] in user_table
     assert [r[:3] for r in user_table[1:]] == [
         ["NEW", "abort", "ABORTED"],
         ["NEW", "alloc_local", "SAVING"],
@@ -198,10 +219,10 @@ def test_text_builder_shows_the_dot_source(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("reference", "reason"),
     [
-        ("lifecycle.table", "expected MODULE:NAME"),
+        ("lifecycle.kv", "expected MODULE:NAME"),
         ("no_such_module_xyz:TABLE", "cannot import no_such_module_xyz"),
-        ("lifecycle.table:NOPE", "has no attribute NOPE"),
-        ("lifecycle.table:TRANSITIONS", "tuple is not a lifecycle Table"),
+        ("lifecycle.kv:NOPE", "has no attribute NOPE"),
+        ("lifecycle.kv:TRANSITIONS", "tuple is not a lifecycle Table"),
     ],
 )
 def test_bad_reference_fails_the_build_naming_it(

@@ -71,7 +71,7 @@ class TableReferenceError(ValueError):
         self.reason = reason
 
 
-def load_table(reference: str) -> tuple[Table, Path | None]:
+def load_table(reference: str) -> tuple[Table[Any, Any], Path | None]:
     """Import the `Table` named by ``MODULE:NAME`` (NAME may be dotted).
 
     Returns:
@@ -119,7 +119,7 @@ def _callback_name(callback: object) -> str:
     return str(name) if name else repr(callback)
 
 
-def transition_rows(table: Table) -> list[tuple[str, str, str, str]]:
+def transition_rows(table: Table[Any, Any]) -> list[tuple[str, str, str, str]]:
     """(from, event, to, callbacks) per row, in table-state then event order.
 
     The same order as `lifecycle.render.to_markdown`.
@@ -144,7 +144,7 @@ class _TableDirective(SphinxDirective):
     optional_arguments = 0
     final_argument_whitespace = False
 
-    def _table(self) -> Table:
+    def _table(self) -> Table[Any, Any]:
         reference = self.arguments[0]
         try:
             table, source = load_table(reference)

@@ -8,6 +8,7 @@ through every variant, interleaved so machine noise hits all of them.
 from __future__ import annotations
 
 import argparse
+import enum
 import gc
 import json
 import logging
@@ -20,7 +21,14 @@ from collections.abc import Callable
 import attrs
 from transitions import Machine
 
-from lifecycle import LifecycleMachine, Registry
+from lifecycle import (
+    LifecycleMachine,
+    Registry,
+    Row,
+    Table,
+    Tracker,
+    define_tracker,
+)
 from lifecycle.kv import TABLE, Event, KVTracker, State
 
 E = Event
@@ -37,6 +45,118 @@ CYCLE = (
     E.RESUME,
     E.FINISH,
 )
+
+
+class UState(enum.Enum):
+    """A user's own state enum (plain `Enum`, Python-level hash)."""
+
+    WAITING = enum.auto()
+    RECEIVING = enum.auto()
+    RUNNING = enum.auto()
+    ABORTED = enum.auto()
+    DONE = enum.auto()
+
+
+class UEvent(enum.Enum):
+    """A user's own event enum."""
+
+    ALLOC = "alloc"
+    RECEIVED = "received"
+    ABORT = "abort"
+    RETRY = "retry"
+    FINISH = "finish"
+
+
+@define_tracker
+class UTracker(Tracker[UState]):
+    """A user's tracker."""
+
+    state: UState = UState.WAITING
+    blocks: list[int] = attrs.field(factory=list)
+    attempts: int = 0
+
+
+def _release(tracker: UTracker) -> None:
+    tracker.blocks.clear()
+
+
+def _attempt(tracker: UTracker) -> None:
+    tracker.attempts += 1
+
+
+def _can_retry(tracker: UTracker) -> bool:
+    return tracker.attempts < 1_000_000
+
+
+US, UE = UState, UEvent
+USER_TABLE = Table(
+    [
+        Row(US.WAITING, UE.ALLOC, US.RECEIVING),
+        Row(US.WAITING, UE.FINISH, US.DONE),
+        Row(US.RECEIVING, UE.RECEIVED, US.RUNNING),
+        Row(US.RECEIVING, UE.ABORT, US.ABORTED, after=(_release,)),
+        Row(US.RECEIVING, UE.FINISH, US.DONE, after=(_release,)),
+        Row(US.RUNNING, UE.ABORT, US.ABORTED, after=(_release,)),
+        Row(US.RUNNING, UE.FINISH, US.DONE, after=(_release,)),
+        Row(
+            US.ABORTED,
+            UE.RETRY,
+            US.WAITING,
+            after=(_attempt,),
+            guard=_can_retry,
+        ),
+        Row(US.ABORTED, UE.FINISH, US.DONE),
+    ],
+    initial=US.WAITING,
+    terminal={US.DONE},
+    total_events=(UE.FINISH,),
+    name="user",
+)
+"""A user-defined table: callbacks, a guard, a non-terminal ABORTED."""
+USER_CYCLE = (
+    UE.ALLOC,
+    UE.RECEIVED,
+    UE.ABORT,
+    UE.RETRY,
+    UE.ALLOC,
+    UE.RECEIVED,
+    UE.ABORT,
+    UE.RETRY,
+    UE.ALLOC,
+    UE.FINISH,
+)
+
+
+def _user(
+    machine: LifecycleMachine[UState, UEvent], n: int
+) -> Callable[[], int]:
+    trackers = [UTracker(f"r{i}") for i in range(n)]
+
+    def run() -> int:
+        fire = machine.fire
+        for t in trackers:
+            t.state = UState.WAITING
+            for e in USER_CYCLE:
+                fire(t, e)
+        return n * len(USER_CYCLE)
+
+    return run
+
+
+def _user_dict(n: int) -> Callable[[], int]:
+    table = {(r.source, r.event): r.dest for r in USER_TABLE.rows}
+    trackers = [UTracker(f"r{i}") for i in range(n)]
+
+    def run() -> int:
+        for t in trackers:
+            t.state = UState.WAITING
+            for e in USER_CYCLE:
+                dest = table.get((t.state, e))
+                if dest is not None:
+                    t.state = dest
+        return n * len(USER_CYCLE)
+
+    return run
 
 
 @attrs.define(slots=True, eq=False)
@@ -202,6 +322,11 @@ def main() -> None:
         "transitions_us": _stock(machine, n),
         "transitions_per_model_us": _per_model(max(n // 10, 50)),
         "dict_us": _dict(n),
+        "user_table_us": _user(LifecycleMachine(USER_TABLE), n),
+        "user_table_unlocked_us": _user(
+            LifecycleMachine(USER_TABLE, thread_safe=False), n
+        ),
+        "user_dict_us": _user_dict(n),
     }
     samples: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(args.repeats):
@@ -225,6 +350,11 @@ def main() -> None:
         ),
         "transitions_over_lifecycle": round(
             statistics.median(samples["transitions_us"]) / lc, 1
+        ),
+        "user_unlocked_over_dict": round(
+            statistics.median(samples["user_table_unlocked_us"])
+            / statistics.median(samples["user_dict_us"]),
+            2,
         ),
         "events_per_cycle": len(CYCLE),
         "repeats": args.repeats,

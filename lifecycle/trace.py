@@ -28,6 +28,7 @@ machine's lock, so they only queue lines; a background thread writes them.
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import logging
 import os
@@ -87,6 +88,20 @@ class TraceError(LifecycleError):
         super().__init__(f"trace {path}: {reason}")
 
 
+_HASH_SPACE: Final = 1 << 64
+
+
+def _digest(req_id: str, key: bytes | None) -> bytes:
+    return hashlib.blake2b(
+        req_id.encode(), digest_size=8, key=key or b""
+    ).digest()
+
+
+def hash_req_id(req_id: str, key: bytes) -> str:
+    """How a `TraceWriter` with ``id_key=key`` writes `req_id`."""
+    return "h:" + _digest(req_id, key).hex()
+
+
 class TableMismatchError(TraceError):
     """A trace was recorded with another table than the one replaying it.
 
@@ -128,6 +143,16 @@ class TraceWriter:
         flush_interval: Seconds between background flushes.
         clock: Wall-clock time for the ``time`` field.
         name: How the trace is named in log records.
+        id_key: If set, request ids are written as ``"h:"`` plus a keyed
+            BLAKE2b hash (8 bytes, hex) instead of in clear: a trace can be
+            shared without the ids, and whoever holds the key can hash an
+            id to find its lines (`hash_req_id`).  Replay works unchanged.
+        sample: The fraction of requests traced (0 < sample <= 1).  The
+            choice is a deterministic function of the request id (and the
+            key), so a sampled request is traced whole and replays alike.
+
+    Raises:
+        ValueError: `max_events` or `sample` is out of range.
     """
 
     BATCH_LINES: Final = 512
@@ -141,10 +166,18 @@ class TraceWriter:
         flush_interval: float = 1.0,
         clock: Callable[[], float] = time.time,
         name: str = "<stream>",
+        id_key: bytes | None = None,
+        sample: float = 1.0,
     ) -> None:
         if type(max_events) is not int or max_events <= 0:
             msg = f"max_events must be a positive int, got {max_events!r}"
             raise ValueError(msg)
+        if not 0.0 < sample <= 1.0:
+            msg = f"sample must be in (0, 1], got {sample!r}"
+            raise ValueError(msg)
+        self.id_key = id_key
+        self.sample = sample
+        self._threshold = int(sample * _HASH_SPACE)
         self.max_events = max_events
         self.name = name
         self.written = 0
@@ -257,6 +290,12 @@ class TraceWriter:
         *,
         job_epoch: int | None = None,
     ) -> None:
+        if self.id_key is not None or self.sample < 1.0:
+            digest = _digest(req_id, self.id_key)
+            if int.from_bytes(digest) >= self._threshold:
+                return  # not sampled
+            if self.id_key is not None:
+                req_id = "h:" + digest.hex()
         if self.written >= self.max_events:
             self._drop()
             return

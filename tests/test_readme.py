@@ -20,7 +20,11 @@ def _blocks() -> list[str]:
 
 def test_lifecycle_example_runs() -> None:
     (block,) = [
-        b for b in _blocks() if "registry = Registry" in b and "trace" not in b
+        b
+        for b in _blocks()
+        if "registry = Registry" in b
+        and "trace" not in b
+        and "PTracker" not in b
     ]
     namespace: dict[str, object] = {}
     exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
@@ -118,3 +122,39 @@ def test_metrics_table_names_the_exported_metrics() -> None:
 
     names = {v for k, v in vars(MetricName).items() if not k.startswith("_")}
     assert set(_table(_section("Metrics"))) == names
+
+
+def _own_lifecycle_block() -> str:
+    (block,) = [b for b in _blocks() if "class PTracker" in b]
+    return block
+
+
+def test_define_your_own_lifecycle_example_runs() -> None:
+    namespace: dict[str, object] = {"__name__": "readme_example"}
+    exec(compile(_own_lifecycle_block(), "README.md", "exec"), namespace)  # noqa: S102
+    assert namespace["tracker"].state.name == "DONE"
+    assert '"SENDING" -> "DONE"' in namespace["dot"]
+
+
+def test_define_your_own_lifecycle_example_type_checks(tmp_path) -> None:
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    example = tmp_path / "readme_example.py"
+    example.write_text(_own_lifecycle_block())
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            str(example),
+        ],
+        cwd=README.parent,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import threading
@@ -437,3 +438,72 @@ def test_two_writers_on_one_file_never_split_lines(tmp_path):
     result = replay_file(path)
     assert result.malformed == []
     assert result.events == 2 * 300 * 3
+
+
+def test_the_event_path_never_writes_the_file(tmp_path):
+    """Full batches are handed to the flusher: no I/O under the lock."""
+    writes: list[tuple[str, bool]] = []
+
+    class Recording(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, data):
+            holding = machine._lock.locked()
+            writes.append((threading.current_thread().name, holding))
+            return len(data)
+
+    machine = LifecycleMachine(TABLE)
+    registry = Registry(machine, Tracker)
+    writer = TraceWriter(Recording(), flush_interval=3600)
+    writer.attach(machine)
+    registry.get_or_create("r")
+    drive(registry, "r", [E.LOOKUP] * (3 * TraceWriter.BATCH_LINES))
+    deadline = time.monotonic() + 10
+    while not writes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    on_event_path = [w for w in writes if w[0] == "MainThread"]
+    writer.close()
+    assert writes, "the full batches were never written"
+    assert on_event_path == []
+    assert {name for name, _ in writes} >= {"lifecycle-trace-flush"}
+
+
+def test_hashed_and_sampled_traces_replay(tmp_path):
+    """Keyed-hash ids hide the request ids; sampling keeps whole requests."""
+    from lifecycle.trace import hash_req_id  # noqa: PLC0415
+
+    path = tmp_path / "t.jsonl"
+    key = b"secret key"
+    machine = LifecycleMachine(TABLE)
+    registry = Registry(machine, Tracker)
+    writer = TraceWriter.open(path, id_key=key, sample=0.5)
+    writer.attach(machine)
+    ids = [f"req-{i}" for i in range(200)]
+    for r in ids:
+        registry.get_or_create(r)
+        drive(registry, r, [E.LOOKUP, E.ALLOC_LOCAL, E.PREEMPT, E.RESET])
+        registry.fire(r, E.LOAD_DONE)  # illegal
+        drive(registry, r, [E.FINISH])
+    writer.close()
+    text = path.read_text()
+    assert "req-" not in text
+    records = events_of(path)
+    traced = {r["req_id"] for r in records}
+    assert 60 < len(traced) < 140  # about half, deterministic
+    assert traced <= {hash_req_id(r, key) for r in ids}
+    assert all(sum(x["req_id"] == h for x in records) == 6 for h in traced)
+    result = replay_file(path)
+    assert result.divergences == []
+    assert result.malformed == []
+    assert result.machine.illegal_total == len(traced)
+    again = tmp_path / "again.jsonl"
+    writer = TraceWriter.open(again, id_key=key, sample=0.5)
+    writer.attach(machine)
+    for r in ids:
+        registry.get_or_create(r)
+        registry.fire(r, E.ABORT)
+    writer.close()
+    assert {r["req_id"] for r in events_of(again)} == traced
+    with pytest.raises(ValueError, match="sample"):
+        TraceWriter.open(tmp_path / "x.jsonl", sample=0.0)

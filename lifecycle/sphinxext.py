@@ -137,6 +137,16 @@ def transition_rows(table: Table[Any, Any]) -> list[tuple[str, str, str, str]]:
     ]
 
 
+def row_guards(table: Table[Any, Any]) -> list[str]:
+    """Each row's guard name ("" for none), in `transition_rows` order."""
+    order = {state: i for i, state in enumerate(table.states)}
+    rows = sorted(table.rows, key=lambda r: (order[r.source], _label(r.event)))
+    return [
+        _callback_name(row.guard) if row.guard is not None else ""
+        for row in rows
+    ]
+
+
 class _TableDirective(SphinxDirective):
     """Shared part: resolve the argument and record the dependency."""
 
@@ -232,7 +242,8 @@ class LifecycleDiagram(_TableDirective):
 class LifecycleTable(_TableDirective):
     """``.. lifecycle-table:: MODULE:NAME``: one row per transition.
 
-    Columns: From, Event, To, Callbacks.  Option ``:caption:`` titles it.
+    Columns: From, Event, To, Callbacks, and Guard when a row has one.
+    Option ``:caption:`` titles it.
     """
 
     has_content = False
@@ -244,7 +255,14 @@ class LifecycleTable(_TableDirective):
 
     def run(self) -> list[nodes.Node]:
         """Build the transition table."""
-        rows = transition_rows(self._table())
+        source = self._table()
+        rows = transition_rows(source)
+        guards = row_guards(source)
+        header = ["From", "Event", "To", "Callbacks"]
+        widths = [14, 16, 14, 30]
+        if any(guards):
+            header.append("Guard")
+            widths.append(14)
         table = nodes.table(
             classes=["lifecycle-table", *self.options.get("class", [])]
         )
@@ -253,16 +271,19 @@ class LifecycleTable(_TableDirective):
         if caption:
             parsed, _ = self.parse_inline(caption, lineno=self.lineno)
             table += nodes.title(caption, "", *parsed)
-        group = nodes.tgroup(cols=4)
+        group = nodes.tgroup(cols=len(header))
         table += group
-        for width in (14, 16, 14, 30):
+        for width in widths:
             group += nodes.colspec(colwidth=width)
         head = nodes.thead()
-        head += _row(("From", "Event", "To", "Callbacks"), code=())
+        head += _row(tuple(header), code=())
         group += head
         body = nodes.tbody()
-        for cells in rows:
-            body += _row((*cells[:3], cells[3] or "—"), code=(1, 3))
+        for cells, guard in zip(rows, guards, strict=True):
+            shown = [*cells[:3], cells[3] or "—"]
+            if len(header) > len(shown):
+                shown.append(guard or "—")
+            body += _row(tuple(shown), code=(1, 3, 4))
         group += body
         return [table]
 

@@ -43,12 +43,15 @@ USER_TABLE = textwrap.dedent(
     def note(tracker):
         pass
 
+    def ready(tracker):
+        return True
+
     TABLE = Table(
         [
             Row(S.NEW, E.ALLOC_LOCAL, S.SAVING, after=(note,)),
             Row(S.NEW, E.FINISH, S.FINISHED),
             Row(S.NEW, E.ABORT, S.ABORTED),
-            Row(S.SAVING, E.FINISH, S.FINISHED),
+            Row(S.SAVING, E.FINISH, S.FINISHED, guard=ready),
             Row(S.SAVING, E.ABORT, S.ABORTED),
             {extra}
         ],
@@ -174,7 +177,9 @@ def test_html_build_renders_diagrams_and_tables(tmp_path) -> None:
         "PREEMPTED",
         "bump_epoch, release_blocks",
     ] in (kv_table)
-    assert ["NEW", "alloc_local", "SAVING", "note"] in user_table
+    assert user_table[0] == ["From", "Event", "To", "Callbacks", "Guard"]
+    assert ["NEW", "alloc_local", "SAVING", "note", "—"] in user_table
+    assert ["SAVING", "finish", "FINISHED", "—", "ready"] in user_table
     assert [r[:3] for r in user_table[1:]] == [
         ["NEW", "abort", "ABORTED"],
         ["NEW", "alloc_local", "SAVING"],

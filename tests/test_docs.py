@@ -78,14 +78,21 @@ def _rows(page: str, caption: str) -> list[list[str]]:
 
 def test_lifecycle_page_contains_the_rendered_diagrams(site) -> None:
     from lifecycle.kv import TABLE  # noqa: PLC0415
+    from lifecycle.pd import CONSUMER, PRODUCER  # noqa: PLC0415
 
     page = (site / "lifecycles.html").read_text(encoding="utf-8")
     svg = re.search(r"<svg\b.*?</svg>", page, re.DOTALL)
     assert svg is not None
     for state in TABLE.states:
         assert f"<title>{state.name}</title>" in svg.group(0)
-    rows = _rows(page, "Every transition of")
+    rows = _rows(page, "Every transition of lifecycle.kv:TABLE")
     assert len(rows) == len(TABLE.rows)
+    svgs = re.findall(r"<svg\b.*?</svg>", page, re.DOTALL)
+    assert len(svgs) == 3  # the KV table and the P/D producer and consumer
+    for table, svg_text in zip((PRODUCER, CONSUMER), svgs[1:], strict=True):
+        for state in table.states:
+            assert f"<title>{state.name}</title>" in svg_text
+        assert table.title in svg_text
 
 
 def test_configuration_reference_is_generated_from_the_fields(site) -> None:

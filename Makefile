@@ -5,7 +5,7 @@ STAMP := .venv/.bootstrapped
 REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh)
 PYTEST_ARGS ?=
 
-.PHONY: all venv venv-e2e e2e unit-e2e bench-ttft cluster bench-cluster test lint typecheck diagrams diagrams-check unit fuzz demo bench bench-scheduler soak clean
+.PHONY: all venv venv-e2e e2e unit-e2e bench-ttft cluster bench-cluster test lint typecheck diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
 
 all: test
 
@@ -16,22 +16,33 @@ $(STAMP): $(REQS)
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check lifecycle connector demo tests benchmarks scripts e2e
-	$(PY) -m ruff format --check lifecycle connector demo tests benchmarks scripts e2e
+	$(PY) -m ruff check lifecycle connector demo tests benchmarks scripts e2e docs examples
+	$(PY) -m ruff format --check lifecycle connector demo tests benchmarks scripts e2e docs examples
 
 typecheck: $(STAMP)
-	$(PY) -m mypy --strict lifecycle connector demo
+	$(PY) -m mypy --strict lifecycle connector demo examples
+	$(PY) -m mypy --strict docs/_ext docs/conf.py
+
+# Every shipped table: the KV lifecycle and the P/D producer and consumer.
+SHIPPED_TABLES := lifecycle.kv:TABLE lifecycle.pd:PRODUCER lifecycle.pd:CONSUMER
 
 diagrams: $(STAMP)
-	$(PY) -m lifecycle render --out diagrams
+	for t in $(SHIPPED_TABLES); do $(PY) -m lifecycle render --table $$t --out diagrams || exit 1; done
 
 diagrams-check: $(STAMP)
-	$(PY) -m lifecycle render --check --out diagrams
+	for t in $(SHIPPED_TABLES); do $(PY) -m lifecycle render --table $$t --check --out diagrams || exit 1; done
 
 unit: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test: lint typecheck diagrams-check unit unit-e2e
+# The documentation site, warnings as errors (diagrams drawn at build time).
+DOCS_OUT ?= build/docs
+
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -q -E -b html docs $(DOCS_OUT)
+	@echo "docs: $(DOCS_OUT)/index.html"
+
+test: lint typecheck diagrams-check docs unit unit-e2e
 
 # The ordering fuzzer with a large budget (`make test` runs the CI budget).
 # FUZZ_EXAMPLES=N overrides the number of examples.

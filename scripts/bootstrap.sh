@@ -26,6 +26,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 echo "bootstrap: installing pinned Python packages"
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements/base.txt
+# The docs site (make docs) and lifecycle.sphinxext's tests.
+.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements/docs.txt
 if [ -x scripts/install_vllm.sh ]; then
     scripts/install_vllm.sh .venv
 fi

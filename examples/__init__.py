@@ -1,0 +1,1 @@
+"""Examples of connectors built on `lifecycle` (not part of the package)."""

@@ -1,0 +1,208 @@
+"""The docs site: built with -W, diagrams drawn, config reference generated."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import attrs
+import pytest
+
+from connector.config import StoreConfig, TraceConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+
+from configref import attribute_docs, config_rows  # noqa: E402
+
+
+def _sphinx(src: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-E",
+            "-b",
+            "html",
+            str(src),
+            str(out),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("docs")
+    done = _sphinx(ROOT / "docs", out)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def _text(page: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", page))
+
+
+def _rows(page: str, caption: str) -> list[list[str]]:
+    """Body rows of the HTML table whose caption contains `caption`."""
+    for table in re.findall(r"<table.*?</table>", page, re.DOTALL):
+        cap = re.search(r"<caption.*?</caption>", table, re.DOTALL)
+        if cap and caption in _text(cap.group(0)):
+            body = re.search(r"<tbody>.*?</tbody>", table, re.DOTALL)
+            assert body is not None
+            return [
+                [
+                    " ".join(_text(c).split())
+                    for c in re.findall(r"<td.*?</td>", row, re.DOTALL)
+                ]
+                for row in re.findall(r"<tr.*?</tr>", body.group(0), re.DOTALL)
+            ]
+    msg = f"no table captioned {caption!r}"
+    raise AssertionError(msg)
+
+
+def test_lifecycle_page_contains_the_rendered_diagrams(site) -> None:
+    from lifecycle.kv import TABLE  # noqa: PLC0415
+    from lifecycle.pd import CONSUMER, PRODUCER  # noqa: PLC0415
+
+    page = (site / "lifecycles.html").read_text(encoding="utf-8")
+    svg = re.search(r"<svg\b.*?</svg>", page, re.DOTALL)
+    assert svg is not None
+    for state in TABLE.states:
+        assert f"<title>{state.name}</title>" in svg.group(0)
+    rows = _rows(page, "Every transition of lifecycle.kv:TABLE")
+    assert len(rows) == len(TABLE.rows)
+    svgs = re.findall(r"<svg\b.*?</svg>", page, re.DOTALL)
+    assert len(svgs) == 3  # the KV table and the P/D producer and consumer
+    for table, svg_text in zip((PRODUCER, CONSUMER), svgs[1:], strict=True):
+        for state in table.states:
+            assert f"<title>{state.name}</title>" in svg_text
+        assert table.title in svg_text
+
+
+def test_configuration_reference_is_generated_from_the_fields(site) -> None:
+    page = (site / "configuration.html").read_text(encoding="utf-8")
+    rows = _rows(page, "connector.config.StoreConfig")
+    fields = attrs.fields(StoreConfig)
+    assert [r[0] for r in rows] == [f.name for f in fields]
+    docs = attribute_docs(StoreConfig)
+    for row, field in zip(rows, fields, strict=True):
+        if field.default is attrs.NOTHING:
+            assert row[2] == "required"
+        else:
+            assert row[2].startswith(json.dumps(field.default))
+        assert row[3] == " ".join(_text(docs[field.name]).split()).replace(
+            "``", ""
+        )
+        assert row[3]
+    by_key = {r[0]: r for r in rows}
+    assert by_key["global_segment_size"][2] == '4294967296 ("4GiB")'
+    assert by_key["protocol"][1:3] == ["str", '"rdma"']
+    assert by_key["log_level"][1:3] == ["str | None", "null"]
+
+    trace = _rows(page, "connector.config.TraceConfig")
+    assert [r[0] for r in trace] == [
+        "lifecycle_trace",
+        "lifecycle_trace_max_events",
+    ]
+    assert trace[1][2] == str(TraceConfig().max_events)
+
+
+def test_api_reference_documents_the_public_names(site) -> None:
+    page = _text((site / "api.html").read_text(encoding="utf-8"))
+    for name in (
+        "LifecycleMachine",
+        "Registry",
+        "Table",
+        "MooncakeLifecycleConnector",
+        "StoreConfig",
+        "parse_size",
+    ):
+        assert name in page
+
+
+def test_operators_guide_names_the_connector_by_plugin(site) -> None:
+    page = _text((site / "operators.html").read_text(encoding="utf-8"))
+    assert '"kv_connector": "MooncakeLifecycleConnector"' in page
+    assert "kv_connector_module_path" not in page
+    assert "kv-lifecycle master" in page
+    assert "histogram_quantile" in page
+
+
+def test_attribute_docs_reads_google_style_sections() -> None:
+    @attrs.define
+    class Example:
+        """Summary.
+
+        Attributes:
+            first: One line.
+            second (int): Two
+                lines.
+
+        Note:
+            Not an attribute: ignored.
+        """
+
+        first: int = 1
+        second: int = 2
+
+    assert attribute_docs(Example) == {
+        "first": "One line.",
+        "second": "Two lines.",
+    }
+    assert config_rows(Example, {"first": "renamed"})[0] == (
+        "renamed",
+        "int",
+        "1",
+        "One line.",
+    )
+
+
+def test_an_undocumented_field_fails_the_build(tmp_path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "conf.py").write_text(
+        "import sys, pathlib\n"
+        "here = pathlib.Path(__file__).parent\n"
+        f"sys.path[:0] = [str(here), {str(ROOT / 'docs' / '_ext')!r}]\n"
+        'extensions = ["configref"]\n'
+    )
+    (src / "mycfg.py").write_text(
+        textwrap.dedent(
+            '''
+            import attrs
+
+            @attrs.define
+            class Config:
+                """Settings.
+
+                Attributes:
+                    documented: Has a meaning.
+                """
+
+                documented: int = 1
+                forgotten: int = attrs.field(default=2)
+            '''
+        )
+    )
+    (src / "index.rst").write_text(
+        "Config\n======\n\n.. config-fields:: mycfg:Config\n"
+    )
+    done = _sphinx(src, tmp_path / "out")
+    assert done.returncode != 0
+    assert "mycfg:Config.forgotten has no documentation" in done.stderr

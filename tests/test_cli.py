@@ -89,7 +89,11 @@ def command(tmp_path):
 
     yield start
     for c in made:
-        c.stop(signal.SIGKILL)
+        # SIGTERM, so the command stops its master (its own session).
+        c.stop(signal.SIGTERM)
+        match = READY.search(c.err_path.read_text())
+        if match is not None and alive(int(match.group(1))):
+            os.kill(int(match.group(1)), signal.SIGKILL)
 
 
 @pytest.mark.mooncake

@@ -270,9 +270,9 @@ class EmbeddedMaster:
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.start_attempts = max(1, start_attempts)
-        self._chosen = {"rpc": rpc_port, "http": http_port}
-        self._chosen["metrics"] = metrics_port
-        if None not in self._chosen.values():
+        chosen = {"rpc": rpc_port, "http": http_port, "metrics": metrics_port}
+        self._fixed = {k: v for k, v in chosen.items() if v is not None}
+        if len(self._fixed) == len(chosen):
             self.start_attempts = 1  # the same ports would fail the same
         self._ports: MasterPorts | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -393,7 +393,7 @@ class EmbeddedMaster:
                 return self
             last: MasterStartError | None = None
             for attempt in range(1, self.start_attempts + 1):
-                self._ports = MasterPorts.pick(**self._chosen)
+                self._ports = MasterPorts.pick(**self._fixed)
                 try:
                     self._spawn_and_wait(attempt)
                 except MasterStartError as exc:

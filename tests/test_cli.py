@@ -168,11 +168,11 @@ def test_master_on_chosen_ports_stops_on_ctrl_c(command, master_binary):
     assert extra["metadata_server"] == (
         f"http://127.0.0.1:{ports.http}/metadata"
     )
+    pid = run.master_pid()  # waits for the readiness line on stderr
     assert f"metrics http://127.0.0.1:{ports.metrics}/metrics" in (
         run.err_path.read_text()
     )
     assert config["kv_role"] == "kv_consumer"
-    pid = run.master_pid()
     assert run.stop(signal.SIGINT) == 0
     assert not alive(pid)
 

@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 STAMP := .venv/.bootstrapped
-REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh)
+REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh) scripts/install_self.sh pyproject.toml
 PYTEST_ARGS ?=
 
 .PHONY: all venv venv-e2e e2e unit-e2e bench-ttft cluster bench-cluster test lint typecheck diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
@@ -77,13 +77,14 @@ bench-scheduler: $(STAMP)
 E2E_PY := .venv-e2e/bin/python
 E2E_STAMP := .venv-e2e/.installed
 
-$(E2E_STAMP): requirements/e2e.txt scripts/install_e2e.sh
+$(E2E_STAMP): requirements/e2e.txt scripts/install_e2e.sh scripts/install_self.sh pyproject.toml
 	scripts/install_e2e.sh .venv-e2e
 	touch $(E2E_STAMP)
 
 venv-e2e: $(E2E_STAMP)
 
-# All five connector scenarios in both topologies, plus the smoke tests.
+# All five connector scenarios in both topologies, the smoke tests and the
+# serving test (vLLM's OpenAI server over `kv-lifecycle master`, ~4 min).
 e2e: $(E2E_STAMP)
 	$(E2E_PY) -m pytest tests/e2e -m e2e $(PYTEST_ARGS)
 

@@ -2,7 +2,8 @@
 
 ``import connector`` works without vLLM: the vLLM-facing class is loaded
 on first access (``connector.MooncakeLifecycleConnector``), which is what
-vLLM's ``kv_connector_module_path="connector"`` does.
+vLLM's ``kv_connector_module_path="connector"`` does.  Installed, the
+package registers the class with vLLM by name (``connector.plugin``).
 """
 
 from __future__ import annotations

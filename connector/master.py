@@ -1,9 +1,12 @@
-"""An embedded ``mooncake_master`` for tests, demos and benchmarks.
+"""An embedded ``mooncake_master``: ``kv-lifecycle master``, tests, demos.
+
+Part of the product: ``kv-lifecycle master`` (``connector.cli``) runs a
+single-node master through it, and tests, demos and benchmarks use it too.
 
 ``EmbeddedMaster`` starts the master binary shipped in the Mooncake wheel on
-free loopback ports, waits until it serves requests, forwards its output to
-Python logging and always stops it again (context manager, explicit
-``stop()``, and a finalizer that also runs at interpreter exit).
+chosen or free loopback ports, waits until it serves requests, forwards its
+output to Python logging and always stops it again (context manager,
+explicit ``stop()``, and a finalizer that also runs at interpreter exit).
 ``kill()``, ``pause()``, ``resume()`` and ``restart()`` inject faults.
 
 Example::
@@ -76,23 +79,43 @@ class MasterPorts:
     metrics: int
 
     @classmethod
-    def pick(cls) -> MasterPorts:
-        """Pick three distinct free loopback ports.
+    def pick(
+        cls,
+        *,
+        rpc: int | None = None,
+        http: int | None = None,
+        metrics: int | None = None,
+    ) -> MasterPorts:
+        """Three distinct loopback ports: the given ones, the rest free.
 
-        Binding ``127.0.0.1:0`` and closing races with other processes;
-        ``EmbeddedMaster.start`` retries with new ports when that happens.
+        Free ports come from binding ``127.0.0.1:0`` (while the given ones
+        are held too, where free, so none is picked twice); closing them
+        races with other processes, and ``EmbeddedMaster.start`` retries
+        with new free ports when that happens.
         """
+        chosen = [rpc, http, metrics]
         socks: list[socket.socket] = []
         try:
-            for _ in range(3):
+            for port in chosen:
+                if port is None:
+                    continue
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                s.bind((HOST, 0))
                 socks.append(s)
-            rpc, http, metrics = (s.getsockname()[1] for s in socks)
+                with contextlib.suppress(OSError):
+                    s.bind((HOST, port))
+            picked = []
+            for port in chosen:
+                if port is not None:
+                    picked.append(port)
+                    continue
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((HOST, 0))
+                picked.append(s.getsockname()[1])
         finally:
             for s in socks:
                 s.close()
-        return cls(rpc=rpc, http=http, metrics=metrics)
+        return cls(rpc=picked[0], http=picked[1], metrics=picked[2])
 
 
 def find_binary() -> Path:
@@ -213,7 +236,11 @@ class EmbeddedMaster:
         binary: the executable; default ``find_binary()``.
         start_timeout_s: readiness bound per start attempt.
         stop_timeout_s: SIGTERM grace period before SIGKILL.
-        start_attempts: how many port picks ``start()`` tries.
+        start_attempts: how many port picks ``start()`` tries (one when
+            every port is given).
+        rpc_port: fixed ``--rpc_port``; ``None`` picks a free one.
+        http_port: fixed metadata-server port; ``None`` picks one.
+        metrics_port: fixed ``--metrics_port``; ``None`` picks one.
     """
 
     def __init__(
@@ -229,6 +256,9 @@ class EmbeddedMaster:
         start_timeout_s: float = 20.0,
         stop_timeout_s: float = 5.0,
         start_attempts: int = 3,
+        rpc_port: int | None = None,
+        http_port: int | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.lease_ttl_ms = lease_ttl_ms
         self.client_ttl_s = client_ttl_s
@@ -240,6 +270,10 @@ class EmbeddedMaster:
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.start_attempts = max(1, start_attempts)
+        chosen = {"rpc": rpc_port, "http": http_port, "metrics": metrics_port}
+        self._fixed = {k: v for k, v in chosen.items() if v is not None}
+        if len(self._fixed) == len(chosen):
+            self.start_attempts = 1  # the same ports would fail the same
         self._ports: MasterPorts | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._reader: threading.Thread | None = None
@@ -359,7 +393,7 @@ class EmbeddedMaster:
                 return self
             last: MasterStartError | None = None
             for attempt in range(1, self.start_attempts + 1):
-                self._ports = MasterPorts.pick()
+                self._ports = MasterPorts.pick(**self._fixed)
                 try:
                     self._spawn_and_wait(attempt)
                 except MasterStartError as exc:

@@ -1,16 +1,19 @@
 """The vLLM 0.33 `KVConnectorBase_V1` over the Mooncake store.
 
-Load it with::
+Once the package is installed, vLLM finds it by name (the
+``vllm.general_plugins`` entry point, ``connector.plugin``)::
 
     KVTransferConfig(
         kv_connector="MooncakeLifecycleConnector",
-        kv_connector_module_path="connector",
         kv_role="kv_both",  # or kv_producer / kv_consumer
         kv_connector_extra_config={
             "master_server_address": "127.0.0.1:50051",
             "metadata_server": "http://127.0.0.1:8080/metadata",
         },
     )
+
+Without the installed entry point, add
+``kv_connector_module_path="connector.vllm_connector"``.
 
 This module is the role facade: every hook is a one-line delegation to
 `connector.scheduler.SchedulerSide` or `connector.worker.WorkerSide`,
@@ -423,8 +426,33 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         """The lifecycle trace writer, when `lifecycle_trace` is set."""
         return self._trace
 
+    def held(self) -> tuple[int, int]:
+        """(live trackers, open jobs) of this half, now."""
+        if self._scheduler is not None:
+            side = self._scheduler
+            return len(side.registry), side.open_jobs
+        if self._worker is not None:
+            return len(self._worker.registry), self._worker.open_jobs
+        return 0, 0
+
     def shutdown(self) -> None:
-        """Drain the transfer threads (bounded) and release the client."""
+        """Drain the transfer threads (bounded) and release the client.
+
+        Logs once what the half still held: ``kv-lifecycle <half> half
+        shutting down (pid P): T live trackers, J open jobs`` (INFO when
+        both are 0, else WARNING).
+        """
+        if self._client is not None:
+            trackers, jobs = self.held()
+            log.log(
+                logging.INFO if trackers == jobs == 0 else logging.WARNING,
+                "kv-lifecycle %s half shutting down (pid %d): "
+                "%d live trackers, %d open jobs",
+                "scheduler" if self._scheduler is not None else "worker",
+                os.getpid(),
+                trackers,
+                jobs,
+            )
         if self._trace is not None:
             self._trace.close()
         if self._scheduler is not None:

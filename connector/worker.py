@@ -311,6 +311,11 @@ class WorkerSide:
         self._step_results = []
         return report
 
+    @property
+    def open_jobs(self) -> int:
+        """Jobs accepted by a live tracker and not yet completed."""
+        return sum(len(t.pending_jobs) for t in self.registry)
+
     def shutdown(self, timeout: float = 10.0) -> bool:
         """Cancel queued jobs, let running ones end; bounded by `timeout`.
 

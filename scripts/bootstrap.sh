@@ -31,3 +31,5 @@ echo "bootstrap: installing pinned Python packages"
 if [ -x scripts/install_vllm.sh ]; then
     scripts/install_vllm.sh .venv
 fi
+# The project itself (editable, no deps): `kv-lifecycle` and the vLLM plugin.
+scripts/install_self.sh .venv

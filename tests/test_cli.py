@@ -21,7 +21,7 @@ from connector.config import StoreConfig
 from connector.keys import KeyScheme, Layout
 from connector.master import MasterPorts
 from connector.store import Outcome, StoreClient
-from lifecycle import render
+from lifecycle import kv, pd, render
 
 READY = re.compile(r"mooncake_master pid (\d+) ready")
 BLOCK = 4096
@@ -213,9 +213,14 @@ def test_lifecycle_commands_get_their_argv_untouched(monkeypatch):
 
 def test_table_and_render_run_the_lifecycle_commands(tmp_path, capsys):
     assert cli.main(["table"]) == 0
-    assert capsys.readouterr().out == render.to_markdown()
+    assert capsys.readouterr().out == render.to_markdown(kv.TABLE)
     assert cli.main(["render", "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "lifecycle.dot").read_text() == render.to_dot()
+    assert (tmp_path / "lifecycle.dot").read_text() == render.to_dot(kv.TABLE)
+    table = ["--table", "lifecycle.pd:PRODUCER"]
+    assert cli.main(["render", *table, "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "pd-producer.dot").read_text() == render.to_dot(
+        pd.PRODUCER
+    )
 
 
 def test_help_lists_every_command(capsys):

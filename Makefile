@@ -84,7 +84,8 @@ $(E2E_STAMP): requirements/e2e.txt scripts/install_e2e.sh scripts/install_self.s
 venv-e2e: $(E2E_STAMP)
 
 # All five connector scenarios in both topologies, the smoke tests and the
-# serving test (vLLM's OpenAI server over `kv-lifecycle master`, ~4 min).
+# serving test (vLLM's OpenAI server over `kv-lifecycle master`: 91 s alone on
+# the 2-core machine, 229 s while other suites ran; not in `make test`).
 e2e: $(E2E_STAMP)
 	$(E2E_PY) -m pytest tests/e2e -m e2e $(PYTEST_ARGS)
 

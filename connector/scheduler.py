@@ -449,7 +449,7 @@ class SchedulerSide:
         """
         mine = (pending.epoch, pending.asked) == key
         if pending.tracker is tracker and mine:
-            if pending.done:
+            if self.lookups.handoff(pending):
                 self._settle_lookup(pending)
             elif self.lookups.clock() >= pending.deadline:
                 self._drop_lookup(pending, "timed_out")

@@ -30,6 +30,8 @@ from typing import Any, Final, Protocol
 import attrs
 
 log: Final = logging.getLogger(__name__)
+#: Longest `AsyncLookups.handoff` yields the GIL to the lookup thread.
+HANDOFF_S: Final = 0.0001
 #: Longest `dispatch` lets an idle lookup thread run before going on.
 
 
@@ -53,6 +55,8 @@ class PendingLookup:
         epoch: The tracker's epoch when the lookup started.
         hashes: The block hashes asked about.
         deadline: `time.monotonic()` past which nobody waits for it.
+        batch: `AsyncLookups.batches` when it started (sent at the end
+            of that step, as batch number `batch + 1`).
         found: Leading blocks stored (valid once `done`).
         done: Set by the lookup thread once `found` is final.
         expired: The thread skipped it (deadline passed, never sent).
@@ -65,6 +69,7 @@ class PendingLookup:
     epoch: int
     hashes: tuple[bytes, ...]
     deadline: float
+    batch: int = 0
     found: int = 0
     done: bool = False
     expired: bool = False
@@ -114,6 +119,7 @@ class AsyncLookups:
         self._idle = threading.Condition(threading.Lock())
         self._running = 0  # batches queued or executing
         self.batches = 0
+        self._handoff_batch = -1
         self.store_calls = 0
         self.failures = 0
         self._thread: threading.Thread | None = None
@@ -135,6 +141,7 @@ class AsyncLookups:
             epoch,
             tuple(hashes),
             self.clock() + self.timeout_s,
+            batch=self.batches,
         )
         self._batch.append(pending)
         return pending
@@ -152,6 +159,27 @@ class AsyncLookups:
             self._queue.append(batch)
             self._wake.notify()
         return len(batch)
+
+    def handoff(self, pending: PendingLookup) -> bool:
+        """Whether `pending` is done, after letting the lookup thread run.
+
+        The thread needs the GIL to turn the store's answer into
+        `found`; a scheduler thread busy in Python hands it over only
+        every switch interval (5 ms), often after the next step asked.
+        So, for a lookup sent in an earlier step, yield for at most
+        `HANDOFF_S` once per step.  Never a wait on the store: a call
+        still in flight holds no GIL, and the sleep ends regardless.
+        """
+        if pending.done or self._thread is None:
+            return pending.done
+        if (
+            self._handoff_batch == self.batches
+            or pending.batch >= self.batches
+        ):
+            return False  # yielded this step already, or not yet sent
+        self._handoff_batch = self.batches
+        time.sleep(HANDOFF_S)
+        return pending.done
 
     def take_completed(self) -> list[PendingLookup]:
         """Lookups the thread finished since the last call."""

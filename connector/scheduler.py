@@ -472,7 +472,7 @@ class SchedulerSide:
         """
         mine = (pending.epoch, pending.asked) == key
         if pending.tracker is tracker and mine:
-            if pending.done:
+            if self.lookups.handoff(pending):
                 if not self._settle_lookup(pending):
                     return  # deferred: looked up again by the caller
             elif self.lookups.clock() >= pending.deadline:

@@ -60,6 +60,12 @@ def faulty(start_master, unique):
         setup_retries=1,
     )
 
+    # The faults are injected from inside the lookup (which now runs on
+    # the lookup thread) and take a while (SIGSTOP waits for the stopped
+    # state): a long hold-back bound keeps the hit the faulted load needs
+    # from being answered as a timed-out miss first.
+    extra["lookup_timeout_ms"] = 30_000
+
     def make(**kwargs):
         config = {**extra, **kwargs.pop("extra", {})}
         h = Harness(CONNECTOR, extra_config=config, **kwargs)

@@ -20,7 +20,10 @@ extensions = [
     "sphinx.ext.napoleon",
     "lifecycle.sphinxext",
     "configref",
+    "myst_parser",
 ]
+# reStructuredText pages, plus Markdown pages through MyST.
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 
 root_doc = "index"
 exclude_patterns = ["_build"]

@@ -144,6 +144,21 @@ def test_operators_guide_names_the_connector_by_plugin(site) -> None:
     assert "histogram_quantile" in page
 
 
+def test_failure_modes_page_is_part_of_the_site(site) -> None:
+    page = _text(
+        (site / "operators" / "failure-modes.html").read_text(encoding="utf-8")
+    )
+    for heading in (
+        "A peer instance dies",
+        "The master dies or hangs",
+        "The store fills up",
+    ):
+        assert heading in page
+    assert "vllm:kv_lifecycle_store_failed_keys_total" in page
+    index = (site / "index.html").read_text(encoding="utf-8")
+    assert "operators/failure-modes.html" in index
+
+
 def test_attribute_docs_reads_google_style_sections() -> None:
     @attrs.define
     class Example:

@@ -149,14 +149,7 @@ class MasterCommand:
         proc = self.proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5.0)
+        _terminate(proc, timeout_s, reap_s=5.0)
         if proc.stdout is not None:
             proc.stdout.close()
         return proc.returncode
@@ -166,6 +159,21 @@ class MasterCommand:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text().splitlines()[-lines:])
         return ""
+
+
+def _terminate(
+    proc: subprocess.Popen[Any], timeout_s: float, *, reap_s: float
+) -> None:
+    """SIGTERM `proc` and wait `timeout_s`; then SIGKILL its group."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=reap_s)
 
 
 def _read_line(
@@ -319,14 +327,7 @@ class ApiServer:
         proc = self.proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10.0)
+        _terminate(proc, timeout_s, reap_s=10.0)
         # vLLM's children are in the server's process group; none may stay.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

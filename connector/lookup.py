@@ -62,6 +62,8 @@ class PendingLookup:
         expired: The thread skipped it (deadline passed, never sent).
         abandoned: The scheduler half stopped waiting for it.
         taken: The scheduler half consumed its answer.
+        refresh: It refreshes an answer already given (the request is
+            not held back for it).
     """
 
     req_id: str
@@ -75,6 +77,7 @@ class PendingLookup:
     expired: bool = False
     abandoned: bool = False
     taken: bool = False
+    refresh: bool = False
 
     @property
     def asked(self) -> int:

@@ -45,9 +45,18 @@ _ABORT_STATUSES: Final = frozenset({"FINISHED_ABORTED", "FINISHED_ERROR"})
 # A load is issued even if vLLM finished the request since the allocation
 # (DRAINING): vLLM keeps its blocks until the one receive completion.
 _LOAD_STATES: Final = frozenset({State.LOADING, State.DRAINING})
+# Where a request waits to be admitted (and is looked up).
+_WAITING_STATES: Final = frozenset({State.NEW, State.RESET})
 #: Defaults of the admission-lookup bounds (see `SchedulerSide`).
 LOOKUP_TIMEOUT_S: Final = 0.05
 MAX_PENDING_LOOKUPS: Final = 4096
+#: A request still waiting this long after a short answer (a miss or a
+#: partial hit) is looked up again in the background: a burst is looked
+#: up in its first step, before its own prefixes are stored, and a
+#: cached miss would otherwise last until it is scheduled.
+LOOKUP_REFRESH_S: Final = 0.1
+#: Most background refreshes started in one step.
+REFRESH_PER_STEP: Final = 256
 
 
 class Role(enum.Enum):
@@ -124,6 +133,9 @@ class RequestTracker(KVTracker):
             hashes (grows as tokens are added).
         lookup_key: (epoch, blocks asked) of the cached lookup result, so
             repeated lookups while vLLM waits for space cost nothing.
+        lookup_at: When the cached result's lookup was started (the
+            lookup clock); a short result is refreshed after
+            `LOOKUP_REFRESH_S`.
         load_job: The open load job, or -1.
         load_failures: Failed loads; after one, the request recomputes
             instead of trusting the store again.
@@ -133,6 +145,7 @@ class RequestTracker(KVTracker):
     num_local_tokens: int = 0
     block_hashes: list[bytes] = attrs.field(factory=list)
     lookup_key: tuple[int, int] = (-1, -1)
+    lookup_at: float = 0.0
     load_job: int = -1
     load_failures: int = 0
 
@@ -219,6 +232,9 @@ class SchedulerSide:
         weakref.finalize(self, self.lookups.close, 0.0)
         self.max_pending = max_pending
         self._pending: dict[str, PendingLookup] = {}
+        # Waiting requests whose answer is short (a miss or a partial
+        # hit), oldest lookup first: refreshed in the background.
+        self._short: dict[str, RequestTracker] = {}
         self.lookup_counts: collections.Counter[str] = collections.Counter()
         self.failed_keys = failed_keys or FailedKeys()
         self._pool: BlockPool | None = None
@@ -273,6 +289,10 @@ class SchedulerSide:
         if tracker is None:
             self.machine.unknown(request.request_id, Event.ALLOC_LOCAL)
             return
+        self._short.pop(tracker.req_id, None)
+        refresh = self._pending.get(tracker.req_id)
+        if refresh is not None and refresh.refresh:  # admitted on the cache
+            self._drop_lookup(refresh, "superseded")
         if num_external_tokens <= 0:
             if self.registry.fire_on(tracker, Event.ALLOC_LOCAL):
                 self._mark_stored_prefix(tracker)
@@ -291,6 +311,7 @@ class SchedulerSide:
         preempted = self._preempt(so.preempted_req_ids or ())
         if self.lookups.completed:
             self._take_lookups()
+        self._refresh_short()
         self.lookups.dispatch()
         jobs.extend(
             self._issue_load(t)
@@ -441,6 +462,7 @@ class SchedulerSide:
             if pending is not None:
                 self._take_answer(tracker, key, pending)
         if tracker.lookup_key == key:
+            self._refresh(tracker, asked)
             return tracker.num_hit_tokens
         if tracker.req_id in self._pending:
             return None  # still in flight, deadline not reached
@@ -449,14 +471,78 @@ class SchedulerSide:
         if len(self._pending) >= self.max_pending:
             self.lookup_counts["over_limit"] += 1
             return self._answer(tracker, key, 0)
-        self._pending[tracker.req_id] = self.lookups.start(
+        self._start_lookup(tracker, asked)
+        self.lookup_counts["started"] += 1
+        return None
+
+    def _start_lookup(
+        self, tracker: RequestTracker, asked: int, *, refresh: bool = False
+    ) -> None:
+        tracker.lookup_at = self.lookups.clock()
+        pending = self.lookups.start(
             tracker.req_id,
             tracker,
             tracker.epoch,
             tracker.block_hashes[:asked],
         )
-        self.lookup_counts["started"] += 1
-        return None
+        pending.refresh = refresh
+        self._pending[tracker.req_id] = pending
+
+    def _refresh_short(self) -> None:
+        """Refresh the oldest short answers of waiting requests.
+
+        Runs once per step, before the step's lookups are sent; stops at
+        the first answer younger than `LOOKUP_REFRESH_S`, so it costs the
+        refreshes it starts plus one.
+        """
+        short = self._short
+        if not short:
+            return
+        now = self.lookups.clock()
+        started = 0
+        for req_id, tracker in list(short.items()):
+            if (
+                self.registry.get(req_id) is not tracker
+                or tracker.state not in _WAITING_STATES
+                or tracker.lookup_key[0] != tracker.epoch
+            ):
+                del short[req_id]
+                continue
+            if now - tracker.lookup_at < LOOKUP_REFRESH_S:
+                break
+            if (
+                started >= REFRESH_PER_STEP
+                or len(self._pending) >= self.max_pending
+            ):
+                break
+            del short[req_id]
+            if req_id not in self._pending:
+                self._start_lookup(
+                    tracker, tracker.lookup_key[1], refresh=True
+                )
+                self.lookup_counts["refreshed"] += 1
+                started += 1
+
+    def _refresh(self, tracker: RequestTracker, asked: int) -> None:
+        """Keep a waiting request's short cached answer fresh.
+
+        The cached answer stays in force (the request is not held back);
+        a refresh that came back replaces it, and one older than
+        `LOOKUP_REFRESH_S` is started in the background.  Full hits are
+        never refreshed.
+        """
+        pending = self._pending.get(tracker.req_id)
+        if pending is not None:
+            if pending.done:
+                self._settle_lookup(pending)
+            return
+        if (
+            tracker.num_hit_tokens < asked * self.block_size
+            and self.lookups.clock() - tracker.lookup_at >= LOOKUP_REFRESH_S
+            and len(self._pending) < self.max_pending
+        ):
+            self._start_lookup(tracker, asked, refresh=True)
+            self.lookup_counts["refreshed"] += 1
 
     def _take_answer(
         self,
@@ -539,6 +625,9 @@ class SchedulerSide:
             tracker, (pending.epoch, pending.asked), found * self.block_size
         )
         self.lookup_counts["answered"] += 1
+        self._short.pop(tracker.req_id, None)
+        if found < pending.asked:  # re-inserted last: oldest first
+            self._short[tracker.req_id] = tracker
         return True
 
     def found_blocks(self, pending: PendingLookup) -> int | None:

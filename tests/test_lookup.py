@@ -163,3 +163,58 @@ def test_hits_per_prefix_needs_every_shard():
     flags = [*shard0, *shard1]
     assert hits_per_prefix(flags, [2, 3], 2) == [1, 1]
     assert hits_per_prefix([True] * 5, [2, 3], 1) == [2, 3]
+
+
+def test_a_short_answer_is_refreshed_while_the_request_waits(clock):
+    """A burst is looked up before its prefixes are stored: the cached
+    miss is refreshed in the background each step it is older than
+    LOOKUP_REFRESH_S, asked or not, and never holds the request back."""
+    side, lookup = make(clock)
+    lookup.stored = 0
+    a = Req("a")
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+    lookup.stored = 4  # another request saved the prefix meanwhile
+    clock[0] = 0.05  # younger than LOOKUP_REFRESH_S: the cache answers
+    assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+    side.build_connector_meta(Step())
+    assert side.lookups.run_pending() == 0
+    clock[0] = 0.15  # older: refreshed by the step, not by the hook
+    side.build_connector_meta(Step())
+    assert side.lookup_counts["refreshed"] == 1
+    assert side.lookups.run_pending() == 1
+    side.build_connector_meta(Step())  # takes the refreshed answer
+    assert side.get_num_new_matched_tokens(a, 0) == (64, True)
+    assert lookup.calls == [1, 1]
+    clock[0] = 10.0  # a full hit is never refreshed
+    side.build_connector_meta(Step())
+    assert side.get_num_new_matched_tokens(a, 0) == (64, True)
+    assert side.lookups.run_pending() == 0
+    assert side.pending_lookups == 0
+
+
+def test_admission_on_a_cached_answer_drops_its_refresh(clock):
+    side, lookup = make(clock)
+    lookup.stored = 1
+    a = Req("a")
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    clock[0] = 1.0
+    assert side.get_num_new_matched_tokens(a, 0) == (16, True)
+    assert side.pending_lookups == 1  # the refresh, in flight
+
+    class Blocks:
+        @staticmethod
+        def get_block_ids():
+            return ([7, 8, 9, 10, 11],)
+
+    side.update_state_after_alloc(a, Blocks(), 16)
+    assert side.pending_lookups == 0
+    assert side.lookup_counts["superseded"] == 1
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    side.build_connector_meta(Step())  # the late answer fires nothing
+    assert side.registry.get("a").state is State.LOADING

@@ -17,6 +17,7 @@ import time
 import tracemalloc
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 from transitions import Machine
@@ -127,38 +128,6 @@ USER_CYCLE = (
 )
 
 
-def _user(
-    machine: LifecycleMachine[UState, UEvent], n: int
-) -> Callable[[], int]:
-    trackers = [UTracker(f"r{i}") for i in range(n)]
-
-    def run() -> int:
-        fire = machine.fire
-        for t in trackers:
-            t.state = UState.WAITING
-            for e in USER_CYCLE:
-                fire(t, e)
-        return n * len(USER_CYCLE)
-
-    return run
-
-
-def _user_dict(n: int) -> Callable[[], int]:
-    table = {(r.source, r.event): r.dest for r in USER_TABLE.rows}
-    trackers = [UTracker(f"r{i}") for i in range(n)]
-
-    def run() -> int:
-        for t in trackers:
-            t.state = UState.WAITING
-            for e in USER_CYCLE:
-                dest = table.get((t.state, e))
-                if dest is not None:
-                    t.state = dest
-        return n * len(USER_CYCLE)
-
-    return run
-
-
 @attrs.define(slots=True, eq=False)
 class _Plain:
     req_id: str
@@ -182,18 +151,40 @@ def _timed(run: Callable[[], int]) -> float:
         gc.enable()
 
 
-def _lifecycle(
-    machine: LifecycleMachine[State, Event], n: int
+def _fired(
+    machine: LifecycleMachine[Any, Any, Any],
+    trackers: list[Any],
+    cycle: tuple[Any, ...],
 ) -> Callable[[], int]:
-    trackers = [KVTracker(f"r{i}") for i in range(n)]
+    """Each tracker through `cycle` by `machine.fire`, from the initial."""
+    initial = machine.table.initial
 
     def run() -> int:
         fire = machine.fire
         for t in trackers:
-            t.state = State.NEW
-            for e in CYCLE:
+            t.state = initial
+            for e in cycle:
                 fire(t, e)
-        return n * len(CYCLE)
+        return len(trackers) * len(cycle)
+
+    return run
+
+
+def _dict_moves(
+    table: Table[Any, Any], trackers: list[Any], cycle: tuple[Any, ...]
+) -> Callable[[], int]:
+    """The same walk through a plain (state, event) -> state dict."""
+    dests = {(r.source, r.event): r.dest for r in table.rows}
+    initial = table.initial
+
+    def run() -> int:
+        for t in trackers:
+            t.state = initial
+            for e in cycle:
+                dest = dests.get((t.state, e))
+                if dest is not None:
+                    t.state = dest
+        return len(trackers) * len(cycle)
 
     return run
 
@@ -258,23 +249,6 @@ def _per_model(n: int) -> Callable[[], int]:
     return run
 
 
-def _dict(n: int) -> Callable[[], int]:
-    table = {(r.source, r.event): r.dest for r in TABLE.rows}
-
-    trackers = [_Plain(f"r{i}") for i in range(n)]
-
-    def run() -> int:
-        for t in trackers:
-            t.state = State.NEW
-            for e in CYCLE:
-                dest = table.get((t.state, e))
-                if dest is not None:
-                    t.state = dest
-        return n * len(CYCLE)
-
-    return run
-
-
 def _tracker_bytes(live: int) -> tuple[float, int]:
     """Bytes per live tracker in a registry, and how many survive a drop."""
     machine = LifecycleMachine(TABLE)
@@ -315,18 +289,31 @@ def main() -> None:
     machine = LifecycleMachine(TABLE)
     unlocked = LifecycleMachine(TABLE, thread_safe=False)
     n = args.requests
+
+    def kv(n: int) -> list[Any]:
+        return [KVTracker(f"r{i}") for i in range(n)]
+
+    def user(n: int) -> list[Any]:
+        return [UTracker(f"r{i}") for i in range(n)]
+
     variants = {
-        "lifecycle_us": _lifecycle(machine, n),
-        "lifecycle_unlocked_us": _lifecycle(unlocked, n),
+        "lifecycle_us": _fired(machine, kv(n), CYCLE),
+        "lifecycle_unlocked_us": _fired(unlocked, kv(n), CYCLE),
         "lifecycle_illegal_us": _illegal(machine, n),
         "transitions_us": _stock(machine, n),
         "transitions_per_model_us": _per_model(max(n // 10, 50)),
-        "dict_us": _dict(n),
-        "user_table_us": _user(LifecycleMachine(USER_TABLE), n),
-        "user_table_unlocked_us": _user(
-            LifecycleMachine(USER_TABLE, thread_safe=False), n
+        "dict_us": _dict_moves(
+            TABLE, [_Plain(f"r{i}") for i in range(n)], CYCLE
         ),
-        "user_dict_us": _user_dict(n),
+        "user_table_us": _fired(
+            LifecycleMachine(USER_TABLE), user(n), USER_CYCLE
+        ),
+        "user_table_unlocked_us": _fired(
+            LifecycleMachine(USER_TABLE, thread_safe=False),
+            user(n),
+            USER_CYCLE,
+        ),
+        "user_dict_us": _dict_moves(USER_TABLE, user(n), USER_CYCLE),
     }
     samples: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(args.repeats):

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
+from benchmarks import percentile
 from benchmarks.scheduler_step import (
     _CLASSES,
     HookTimer,
@@ -335,17 +336,11 @@ def measure(
                 statistics.median(per_admission) * 1e6, 2
             ),
             "extra_steps_to_schedule": max(extra_steps),
-            "step_ms_p50": round(_pct(step_s, 50) * 1e3, 3),
-            "step_ms_p99": round(_pct(step_s, 99) * 1e3, 3),
+            "step_ms_p50": round(percentile(step_s, 50) * 1e3, 3),
+            "step_ms_p99": round(percentile(step_s, 99) * 1e3, 3),
         }
     finally:
         run.close()
-
-
-def _pct(values: list[float], pct: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))
-    return ordered[index]
 
 
 class GcPauses:
@@ -448,7 +443,7 @@ def outage(  # noqa: PLR0915 - one timed scenario, top to bottom
         "mode": "ours",
         "fault": fault,
         "max_connector_ms_in_a_step": round(max(step_ms), 3),
-        "connector_ms_p99": round(_pct(step_ms, 99), 3),
+        "connector_ms_p99": round(percentile(step_ms, 99), 3),
         "max_connector_cpu_ms_in_a_step": round(max(cpu_ms), 3),
         "longest_gc_pause_ms": round(pauses.longest * 1e3, 3),
         "requests_finished": finished,

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
+from benchmarks import percentile
 from benchmarks.cluster_node import Node
 from connector.master import EmbeddedMaster
 
@@ -90,13 +91,6 @@ def expected_output(prompt: Sequence[int], n: int) -> list[int]:
         out.append(token)
         h = extend_hash(h, token)
     return out
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (`q` in 0..100) of a non-empty sequence."""
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))
-    return float(ordered[int(rank) - 1])
 
 
 class Cluster:

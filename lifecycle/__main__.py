@@ -48,8 +48,14 @@ def load_table(spec: str) -> Table[Any, Any]:
     return table
 
 
+def _default_out() -> Path:
+    """``./diagrams`` when the working directory has one, else ``.``."""
+    diagrams = Path("diagrams")
+    return diagrams if diagrams.is_dir() else Path()
+
+
 def _render(args: argparse.Namespace, table: Table[Any, Any]) -> int:
-    out = Path(args.out)
+    out = _default_out() if args.out is None else Path(args.out)
     if not args.check:
         for path in render.write(out, table, args.stem):
             print(f"wrote {path}")
@@ -133,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     with_table(p)
     p.add_argument("--check", action="store_true", help="fail if stale")
     p.add_argument(
-        "--out", default=".", help="directory (default: the current one)"
+        "--out",
+        default=None,
+        help="directory (default: ./diagrams if it exists, else the "
+        "current one; never the installed package)",
     )
     p.add_argument(
         "--stem", default=None, help="file name stem (default: table name)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -104,6 +105,32 @@ def test_check_cli_passes_then_fails_after_a_hand_edit(tmp_path) -> None:
     assert '-  "SAVING" -> "NEW"' in stale.stderr
     assert '+  "SAVING" -> "PREEMPTED"' in stale.stderr
     assert "stale" in stale.stderr
+
+
+def test_out_defaults_to_a_diagrams_folder_then_the_working_directory(
+    tmp_path,
+) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        return subprocess.run(
+            [sys.executable, "-m", "lifecycle", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    assert cli("render").returncode == 0
+    assert (tmp_path / "lifecycle.dot").is_file()
+    (tmp_path / "diagrams").mkdir()
+    assert cli("render").returncode == 0
+    assert (tmp_path / "diagrams" / "lifecycle.dot").is_file()
+    ok = cli("render", "--check")
+    assert ok.returncode == 0, ok.stderr
+    assert "diagrams in diagrams are up to date" in ok.stdout
+    assert ROOT.joinpath("diagrams").is_dir()
+    assert _cli("render", "--check").returncode == 0  # the repository's
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="no graphviz `dot`")

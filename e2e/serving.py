@@ -354,6 +354,20 @@ def sum_metrics(text: str) -> dict[str, float]:
     return totals
 
 
+def labelled_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of ``name``'s samples whose labels include ``labels``."""
+    wanted = {f'{key}="{value}"' for key, value in labels.items()}
+    total = 0.0
+    for line in text.splitlines():
+        match = _METRIC_RE.match(line.strip())
+        if match is None or match.group(1) != name:
+            continue
+        have = set((match.group(2) or "{}")[1:-1].split(","))
+        if wanted <= have:
+            total += float(match.group(3))
+    return total
+
+
 def log_problems(text: str) -> list[str]:
     """Lines logged at ERROR, or of a traceback, except known vLLM noise.
 

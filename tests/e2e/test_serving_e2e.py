@@ -43,6 +43,7 @@ from e2e.serving import (  # noqa: E402
     MasterCommand,
     ServerSpec,
     free_port,
+    labelled_sum,
     log_problems,
     plugin_missing,
     shutdown_reports,
@@ -214,6 +215,36 @@ def wait_drained(server, timeout_s=30.0):
     pytest.fail(f"{server.url} still has requests after {timeout_s} s")
 
 
+def put_bytes(server):
+    """Bytes ``server``'s connector has stored so far."""
+    return labelled_sum(
+        server.metrics_text(),
+        "vllm:kv_lifecycle_store_bytes_total",
+        operation="put",
+    )
+
+
+def wait_saving_again(server, model, timeout_s=40.0):
+    """Fresh prompts until ``server`` stores KV again; seconds it took.
+
+    After a master restart each Mooncake client re-mounts its segment on
+    its own heartbeat (about 1-2 s), and a breaker opened by the outage
+    closes only on its next probe: saves made before that are dropped
+    (best effort). Sharing through the new master starts after this.
+    """
+    begin = time.monotonic()
+    before = put_bytes(server)
+    rng = random.Random(77)  # noqa: S311 - test data
+    while time.monotonic() - begin < timeout_s:
+        prompt = [rng.randrange(3, 512) for _ in range(96)]
+        asyncio.run(complete_all(server.url, model, [prompt]))
+        wait_drained(server)
+        if put_bytes(server) > before:
+            return time.monotonic() - begin
+        time.sleep(0.25)
+    pytest.fail(f"{server.url} stored nothing {timeout_s} s after restart")
+
+
 def restart_master(ports, namespace, log_path, attempts=5):
     """A new ``kv-lifecycle master`` on the crashed one's ports."""
     rpc, http, metrics = ports
@@ -342,7 +373,9 @@ def test_openai_server_by_plugin_name_survives_load_and_master_crash(
         after_load = wait_drained(a)
         assert after_load["vllm:num_preemptions_total"] > 0
 
-        # Fresh prompts computed by A land in the restarted master ...
+        # Once A's clients are back on the restarted master, fresh
+        # prompts computed by A land there ...
+        recovery_s = wait_saving_again(a, model)
         probes = probe_prompts()
         tokens_a = asyncio.run(complete_all(a.url, model, probes))
         b = serve(model, config, tmp_path / "server-b.log")
@@ -373,6 +406,7 @@ def test_openai_server_by_plugin_name_survives_load_and_master_crash(
                     "load_s": round(load_s, 1),
                     "preemptions": after_load["vllm:num_preemptions_total"],
                     "identical_probe_prompts": len(probes),
+                    "a_saving_again_after_s": round(recovery_s, 1),
                     "b_external_prefix_cache_hits": hits_b,
                     "health_polls": health.polls,
                     "server_startup_s": [

@@ -32,7 +32,10 @@ import attrs
 log: Final = logging.getLogger(__name__)
 #: Longest `AsyncLookups.handoff` yields the GIL to the lookup thread.
 HANDOFF_S: Final = 0.0001
-#: Longest `dispatch` lets an idle lookup thread run before going on.
+#: Most lookups in one store call: a burst is asked for in chunks, so the
+#: first answers arrive early and the lookup thread holds the GIL for
+#: well under a millisecond at a time.
+CHUNK: Final = 256
 
 
 class BatchLookup(Protocol):
@@ -86,7 +89,9 @@ class PendingLookup:
 
 
 class AsyncLookups:
-    """Batches one step's lookups into one store call on a thread.
+    """Batches one step's lookups into store calls on a thread.
+
+    One call per `CHUNK` lookups: a step's lookups usually take one.
 
     Args:
         lookup: Returns the object that answers a batch; called at every
@@ -267,47 +272,58 @@ class AsyncLookups:
                     finished.append(p)
                 else:
                     live.append(p)
-            if live:
-                self.store_calls += 1
-                try:
-                    found = self._lookup().hit_blocks_many(
-                        [p.hashes for p in live]
-                    )
-                except Exception:
-                    self.failures += 1
-                    log.warning("admission lookup failed", exc_info=True)
-                    found = [0] * len(live)
-                for p, n in zip(live, found, strict=False):
-                    p.found = min(max(int(n), 0), p.asked)
-                    p.done = True
-                finished.extend(live)
             self._completed.extend(finished)
+            for start in range(0, len(live), CHUNK):
+                if start:
+                    # Between chunks the GIL goes to a scheduler thread
+                    # that asked for it, instead of after the
+                    # interpreter's 5 ms switch interval.
+                    time.sleep(0)
+                self._ask(live[start : start + CHUNK])
         finally:
             with self._idle:
                 self._running -= batches
                 self._idle.notify_all()
 
+    def _ask(self, live: list[PendingLookup]) -> None:
+        """One store call for `live`; each is done (0 found on error)."""
+        self.store_calls += 1
+        try:
+            found = self._lookup().hit_blocks_many([p.hashes for p in live])
+        except Exception:
+            self.failures += 1
+            log.warning("admission lookup failed", exc_info=True)
+            found = [0] * len(live)
+        for p, n in zip(live, found, strict=False):
+            p.found = min(max(int(n), 0), p.asked)
+            p.done = True
+        self._completed.extend(live)
 
-def hits_per_prefix(
-    flags: Sequence[bool], sizes: Sequence[int], shards: int
+
+def leading_hits(
+    prefixes: Sequence[Sequence[bytes]],
+    unique: Sequence[bytes],
+    codes: Sequence[int],
+    shards: int,
 ) -> list[int]:
-    """Split one exists call's flags into each prefix's leading hit.
+    """Each prefix's leading run of blocks that every shard holds.
 
-    `flags` holds, for each of `shards` key schemes in turn, the flags of
-    every prefix's keys concatenated (prefix i has `sizes[i]` keys); a
-    block counts only if every shard holds it.
+    `unique` lists each block hash of `prefixes` once (prefixes share
+    blocks: a system prompt, a conversation's earlier turns); `codes`
+    holds Mooncake's ``batch_is_exist`` answer (1 = stored) per (shard,
+    unique hash), shard by shard.
     """
-    total = sum(sizes)
+    n = len(unique)
+    stored = {h for h, c in zip(unique, codes[:n], strict=True) if c == 1}
+    for s in range(1, shards):
+        shard = codes[s * n : (s + 1) * n]
+        stored &= {h for h, c in zip(unique, shard, strict=True) if c == 1}
     hits = []
-    start = 0
-    for n in sizes:
-        hit = n
-        for s in range(shards):
-            base = s * total + start
-            for j in range(hit):
-                if not flags[base + j]:
-                    hit = j
-                    break
+    for prefix in prefixes:
+        hit = len(prefix)
+        for j, block in enumerate(prefix):
+            if block not in stored:
+                hit = j
+                break
         hits.append(hit)
-        start += n
     return hits

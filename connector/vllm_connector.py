@@ -40,7 +40,7 @@ from connector.config import LookupConfig, StoreConfig, TraceConfig
 from connector.errors import ConfigError
 from connector.failed_keys import DEFAULT_TTL_S, FailedKeys
 from connector.keys import KeyScheme, Layout
-from connector.lookup import hits_per_prefix
+from connector.lookup import leading_hits
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
 from connector.scheduler import Role, SchedulerSide
 from connector.stats import (
@@ -104,14 +104,16 @@ class _StoreLookup:
     def hit_blocks_many(
         self, prefixes: Sequence[Sequence[bytes]]
     ) -> list[int]:
-        """Every prefix's leading hit, over every shard, in one call."""
-        hashes = [h for p in prefixes for h in p]
-        if not hashes:
+        """Every prefix's leading hit, over every shard, in one call.
+
+        A block shared by several prefixes is asked for once.
+        """
+        unique = list(dict.fromkeys(h for p in prefixes for h in p))
+        if not unique:
             return [0] * len(prefixes)
-        keys = [k for s in self.schemes for k in s.keys(hashes)]
-        flags = self.client.exists(keys).succeeded
-        sizes = [len(p) for p in prefixes]
-        return hits_per_prefix(flags, sizes, len(self.schemes))
+        keys = [k for s in self.schemes for k in s.keys(unique)]
+        codes = self.client.exists(keys).codes
+        return leading_hits(prefixes, unique, codes, len(self.schemes))
 
 
 def _layout(kv_cache_config: Any) -> Layout:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.lookup import hits_per_prefix
+from connector.lookup import CHUNK, AsyncLookups, leading_hits
 from connector.scheduler import Role, SchedulerSide
 from lifecycle import LifecycleMachine
 from lifecycle.kv import TABLE, Event, State
@@ -156,13 +156,16 @@ def test_a_lookup_from_before_a_preemption_is_stale(clock):
     assert side.get_num_new_matched_tokens(a, 0) == (None, False)
 
 
-def test_hits_per_prefix_needs_every_shard():
-    # Two prefixes (2 and 3 keys) over two shards.
-    shard0 = [True, True, True, False, True]
-    shard1 = [True, False, True, True, True]
-    flags = [*shard0, *shard1]
-    assert hits_per_prefix(flags, [2, 3], 2) == [1, 1]
-    assert hits_per_prefix([True] * 5, [2, 3], 1) == [2, 3]
+def test_leading_hits_needs_every_shard():
+    # Two prefixes (2 and 3 blocks, 5 unique) over two shards.
+    prefixes = [[b"a", b"b"], [b"c", b"d", b"e"]]
+    unique = [b"a", b"b", b"c", b"d", b"e"]
+    shard0 = [1, 1, 1, 0, 1]
+    shard1 = [1, 0, 1, 1, 1]
+    assert leading_hits(prefixes, unique, shard0 + shard1, 2) == [1, 1]
+    assert leading_hits(prefixes, unique, [1] * 5, 1) == [2, 3]
+    # An error code (here RPC_FAIL) is not a hit.
+    assert leading_hits(prefixes, unique, [1, -900, 1, 1, 1], 1) == [1, 3]
 
 
 def test_a_short_answer_is_refreshed_while_the_request_waits(clock):
@@ -218,3 +221,21 @@ def test_admission_on_a_cached_answer_drops_its_refresh(clock):
     side.lookups.run_pending()
     side.build_connector_meta(Step())  # the late answer fires nothing
     assert side.registry.get("a").state is State.LOADING
+
+
+def test_a_burst_is_asked_for_in_chunks():
+    """Past `CHUNK` lookups a batch takes several store calls, each
+    answering its own requests; none is lost or asked twice."""
+    fake = FakeLookup(stored=3)
+    lookups = AsyncLookups(lambda: fake, timeout_s=1.0, threaded=False)
+    n = 2 * CHUNK + 5
+    pending = [
+        lookups.start(f"r{i}", None, 0, Req(f"r{i}", 4).block_hashes)
+        for i in range(n)
+    ]
+    assert lookups.dispatch() == n
+    assert lookups.run_pending() == 1
+    assert fake.calls == [CHUNK, CHUNK, 5]
+    assert [p.found for p in pending] == [3] * n
+    assert all(p.done for p in pending)
+    assert len(lookups.take_completed()) == n

@@ -30,17 +30,22 @@ interpreter's switch interval), whatever the store's latency.
 The outage run (``ours`` only, its own master): requests keep arriving
 every step while the master is killed mid-run and restarted seconds later
 (past Mooncake's reconnect stall); ``outage_sigstop`` does the same with
-the master SIGSTOPped, then continued; ``max_connector_ms_in_a_step`` is the
-longest any one step spent inside the connector (wall time on the
-scheduler thread, including any wait for the GIL; the thread's CPU time
-inside the hooks is reported next to it).  Each harness freezes the
-start-up heap out of the garbage collector after it is built, as vLLM's
-`EngineCore` does (`freeze_gc_heap`).
+the master SIGSTOPped, then continued, and ``outage_blackhole`` with the
+master behind a relay that stops passing bytes, then passes them again
+(`benchmarks.blackhole`: a network partition, no privileges needed).
+``max_connector_ms_in_a_step`` is the longest any one step spent inside
+the connector (wall time on the scheduler thread, including any wait for
+the GIL; the thread's CPU time inside the hooks, and the collector's
+pauses that began inside a hook, are reported next to it).  Each harness
+freezes the start-up heap out of the garbage collector after it is
+built, as vLLM's `EngineCore` does (`freeze_gc_heap`), and the driver
+forgets each request once vLLM has, as an engine does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -50,6 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +66,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 from benchmarks import percentile
+from benchmarks.blackhole import Blackhole
 from benchmarks.scheduler_step import (
     _CLASSES,
     HookTimer,
@@ -86,6 +93,7 @@ FORWARD_MS = 1.0
 #: clients re-mount on their next heartbeat (about 1 s) and the breaker
 #: closes on its next probe, then hits resume.
 TAIL_S = 5.0
+OUTAGE_RUNS = ("outage", "outage_sigstop", "outage_blackhole")
 _MAX_STEPS = 50  # per burst, to be scheduled
 
 
@@ -259,6 +267,10 @@ class Run:
         self.scheduler.update_from_output(so, output)
         total = sched_s + time.perf_counter() - started
         self.finished += len(so.finished_req_ids)
+        # An engine keeps nothing of a finished request; nor does this
+        # driver (a heap growing with every request would make the
+        # collector's full passes ever longer, in whatever hook runs).
+        self.h.forget(so.finished_req_ids)
         admitted = {r.req_id for r in so.scheduled_new_reqs}
         admitted |= self._loading()
         return total, admitted
@@ -402,16 +414,33 @@ def outage(  # noqa: PLR0915 - one timed scenario, top to bottom
     forward_s: float,
     fault: str = "kill",
 ) -> dict[str, Any]:
-    """Ours with the master killed (or SIGSTOPped) mid-run, then back."""
+    """Ours with the master killed, SIGSTOPped or blackholed mid-run
+    (`fault` ``kill``, ``pause``, ``blackhole``), then back."""
     from connector import clients  # noqa: PLC0415
     from connector.master import EmbeddedMaster  # noqa: PLC0415
 
     rng = random.Random(7)
     prefixes = _prefixes(7)
-    with EmbeddedMaster() as master:
+    with EmbeddedMaster() as master, contextlib.ExitStack() as stack:
         namespace = uuid.uuid4().hex[:12]
         writer = PrefixWriter(master, namespace)
-        run = Run("ours", master, tmp, capacity=256, forward_s=forward_s)
+        seen_as: Any = master
+        hole = None
+        if fault == "blackhole":
+            hole = stack.enter_context(Blackhole(master.rpc_address))
+            seen_as = types.SimpleNamespace(
+                rpc_address=hole.address,
+                metadata_server=master.metadata_server,
+            )
+        down, up = {
+            "kill": (master.kill, master.restart),
+            "pause": (master.pause, master.resume),
+            "blackhole": (
+                hole.drop if hole else None,
+                hole.restore if hole else None,
+            ),
+        }[fault]
+        run = Run("ours", seen_as, tmp, capacity=256, forward_s=forward_s)
         added, restarted, finished = 0, False, 0
         step_ms: list[float] = []
         cpu_ms: list[float] = []
@@ -427,10 +456,10 @@ def outage(  # noqa: PLR0915 - one timed scenario, top to bottom
             while True:
                 now = time.monotonic() - started
                 if phase == "before" and now >= kill_at_s:
-                    master.kill() if fault == "kill" else master.pause()
+                    down()
                     phase = "down"
                 elif phase == "down" and now >= kill_at_s + down_s:
-                    master.restart() if fault == "kill" else master.resume()
+                    up()
                     restarted = True
                     phase = "after"
                 elif phase == "after" and now >= kill_at_s + down_s + tail_s:
@@ -541,14 +570,18 @@ def run_all(
                 tail_s=TAIL_S,
                 forward_s=forward_s,
             )
-            doc["outage_sigstop"] = outage(
-                tmp,
-                kill_at_s=1.0,
-                down_s=down_s,
-                tail_s=TAIL_S,
-                forward_s=forward_s,
-                fault="pause",
-            )
+            for key, fault in (
+                ("outage_sigstop", "pause"),
+                ("outage_blackhole", "blackhole"),
+            ):
+                doc[key] = outage(
+                    tmp,
+                    kill_at_s=1.0,
+                    down_s=down_s,
+                    tail_s=TAIL_S,
+                    forward_s=forward_s,
+                    fault=fault,
+                )
     ours = [r for r in results if r.get("mode") == "ours" and "error" not in r]
     goal: dict[str, Any] = {
         "max_us_per_admission": GOAL_US,
@@ -562,7 +595,7 @@ def run_all(
         goal["met_steps"] = all(
             r["extra_steps_to_schedule"] <= GOAL_EXTRA_STEPS for r in ours
         )
-    runs = [doc[k] for k in ("outage", "outage_sigstop") if k in doc]
+    runs = [doc[k] for k in OUTAGE_RUNS if k in doc]
     if runs:
         finished = all(r["requests_finished"] == r["requests"] for r in runs)
         goal["met_outage"] = finished and all(
@@ -627,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for row in doc["results"]:
             print(row)
-        print(doc.get("outage"))
+        for key in OUTAGE_RUNS:
+            print(key, doc.get(key))
         print(doc["goal"])
     return 0
 

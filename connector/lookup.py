@@ -260,25 +260,26 @@ class AsyncLookups:
                 return
 
     def _execute(self, batch: list[PendingLookup], batches: int = 1) -> None:
+        # Work goes in slices of `CHUNK`: between slices the GIL goes to
+        # a scheduler thread that asked for it, instead of after the
+        # interpreter's 5 ms switch interval (after a stalled call the
+        # merged batch holds every step's lookups: thousands).
         try:
-            now = self.clock()
             live = []
-            finished = []
-            for p in batch:
-                if p.abandoned:  # the scheduler half took it already
-                    p.done = True
-                elif p.deadline <= now:
-                    p.expired = p.done = True
-                    finished.append(p)
-                else:
-                    live.append(p)
-            self._completed.extend(finished)
-            for start in range(0, len(live), CHUNK):
+            for start in range(0, len(batch), CHUNK):
                 if start:
-                    # Between chunks the GIL goes to a scheduler thread
-                    # that asked for it, instead of after the
-                    # interpreter's 5 ms switch interval.
                     time.sleep(0)
+                now = self.clock()
+                for p in batch[start : start + CHUNK]:
+                    if p.abandoned:  # the scheduler half took it already
+                        p.done = True
+                    elif p.deadline <= now:
+                        p.expired = p.done = True
+                        self._completed.append(p)
+                    else:
+                        live.append(p)
+            for start in range(0, len(live), CHUNK):
+                time.sleep(0)
                 self._ask(live[start : start + CHUNK])
         finally:
             with self._idle:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
+import attrs
 import pytest
 import torch
 
+from benchmarks.blackhole import Blackhole
 from connector.config import MiB, StoreConfig
 from connector.errors import StoreUnavailable
 from connector.keys import KeyScheme, Layout
@@ -194,3 +196,59 @@ def test_open_against_dead_master_fails_fast(start_master):
     assert time.monotonic() - started < 3.0
     assert config.master_server_address == info.value.address
     assert "connect" in info.value.reason
+
+
+def test_blackholed_master_then_restored(start_master, kv_blocks):
+    """A partition (nothing passes, nothing refused): each call ends
+    within the RPC bound, the breaker opens and answers at once; after
+    the partition heals the same keys are served, data intact.
+    """
+    master = start_master(lease_ttl_ms=500)
+    with Blackhole(master.rpc_address) as hole:
+        config = attrs.evolve(
+            StoreConfig.for_master(
+                master,
+                global_segment_size=64 * MiB,
+                rpc_timeout_ms=RPC_TIMEOUT_MS,
+                breaker_probe_ms=200,
+                close_timeout_ms=4000,
+            ),
+            master_server_address=hole.address,
+        )
+        client = StoreClient.open(config)
+        try:
+            src = kv_blocks(client, 8, BLOCK, seed=7)
+            out = kv_blocks(client, 8, BLOCK)
+            keys = KeyScheme(
+                namespace="blackhole",
+                model="m",
+                tp_rank=0,
+                tp_size=1,
+                layout=Layout("uint8", 16, BLOCK),
+            ).keys(range(8))
+            assert client.put(keys, src.regions(range(8))).ok
+            hole.drop()
+
+            bound = RPC_TIMEOUT_MS / 1000 + SLACK_S
+            slow = 0
+            for _ in range(30):
+                result, elapsed = timed(client.exists, keys)
+                assert elapsed < bound, f"{elapsed:.2f} s > {bound} s"
+                slow += elapsed > 0.5
+                if set(result) <= OUTAGE:
+                    break
+            assert set(result) <= OUTAGE, list(result)
+            assert slow <= 1, "a partition must cost at most one stall"
+            result, elapsed = timed(client.get, keys, out.regions(range(8)))
+            assert elapsed < FAST_S, f"{elapsed:.3f} s"
+            assert {Outcome.MASTER_UNREACHABLE} == set(result)
+            assert client.breaker.state is BreakerState.OPEN
+
+            hole.restore()
+            hit = wait_for(lambda: client.exists(keys).ok, timeout_s=8.0)
+            assert hit, "keys not visible within 8 s of the partition healing"
+            got = client.get(keys, out.regions(range(8)))
+            assert list(got) == [Outcome.HIT] * 8
+            assert torch.equal(src.tensor, out.tensor)
+        finally:
+            client.close()

@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal, Self, cast
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Iterable, Iterator, Sequence
 
     import torch
     from vllm.config import VllmConfig
@@ -576,10 +576,20 @@ class Harness:
         ]
         for finished in done:
             del self.finished_status[finished.req_id]
-            del self.requests[finished.req_id]
-            del self._tokens[finished.req_id]
-            del self._hashes[finished.req_id]
+        self.forget(finished.req_id for finished in done)
         return done
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Drop what the harness keeps of these finished requests.
+
+        For drivers that step the scheduler themselves (benchmarks); the
+        harness's own checks need the records of requests vLLM holds.
+        """
+        for req_id in req_ids:
+            if req_id not in self.scheduler.requests:
+                self.requests.pop(req_id, None)
+                self._tokens.pop(req_id, None)
+                self._hashes.pop(req_id, None)
 
     # ------------------------------------------------------------- requests
 

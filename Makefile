@@ -16,11 +16,11 @@ $(STAMP): $(REQS)
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check lifecycle connector demo tests benchmarks scripts e2e docs examples
-	$(PY) -m ruff format --check lifecycle connector demo tests benchmarks scripts e2e docs examples
+	$(PY) -m ruff check lifecycle connector harness demo tests benchmarks scripts e2e docs examples
+	$(PY) -m ruff format --check lifecycle connector harness demo tests benchmarks scripts e2e docs examples
 
 typecheck: $(STAMP)
-	$(PY) -m mypy --strict lifecycle connector demo examples
+	$(PY) -m mypy --strict lifecycle connector harness demo examples
 	$(PY) -m mypy --strict docs/_ext docs/conf.py
 
 # Every shipped table: the KV lifecycle and the P/D producer and consumer.

@@ -1,7 +1,7 @@
 """Admission cost on the scheduler thread, in vLLM 0.33's real `Scheduler`.
 
 ``python -m benchmarks.admission --json`` runs the plain `Scheduler` (via
-`tests.vllm_harness`, no worker: `benchmarks.scheduler_step`'s stand-in
+`harness.scheduler`, no worker: `benchmarks.scheduler_step`'s stand-in
 worker reports every job of step k done in step k+1) with a running set
 of decoding requests, and adds bursts of N new requests at once (N = 64,
 256, 1024).  Half of each burst's prompts start with one of a few shared

@@ -78,7 +78,7 @@ def suffix(req: int, length: int) -> list[int]:
 
 def expected_output(prompt: Sequence[int], n: int) -> list[int]:
     """The tokens recomputation samples after `prompt` (the harness's)."""
-    from tests.vllm_harness import (  # noqa: PLC0415
+    from harness.scheduler import (  # noqa: PLC0415
         extend_hash,
         prefix_hashes,
         sample_token,

@@ -1,7 +1,7 @@
 """Scheduler-side connector cost per step inside vLLM 0.33's real `Scheduler`.
 
 ``python -m benchmarks.scheduler_step --json`` follows section 7 of the
-connector reference: the plain `Scheduler` (via `tests.vllm_harness`), a
+connector reference: the plain `Scheduler` (via `harness.scheduler`), a
 steady decode of N running requests (prompts of 56-71 tokens, no
 preemption), and per step the time of `schedule()` + `update_from_output()`
 and, separately, the time spent inside the connector's scheduler-side hooks
@@ -142,13 +142,13 @@ class LookupStandIn:
 
 
 def _harness_class() -> type:
-    """`tests.vllm_harness.Harness` without a worker-role connector.
+    """`harness.scheduler.Harness` without a worker-role connector.
 
     Only the scheduler side is measured, so no worker connector (and no
     KV tensor registration) is made; ``connector=None`` builds a scheduler
     with no KV connector at all.
     """
-    from tests.vllm_harness import Harness  # noqa: PLC0415
+    from harness import Harness  # noqa: PLC0415
 
     class SchedulerOnly(Harness):  # type: ignore[misc]
         no_connector = False

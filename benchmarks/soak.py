@@ -293,7 +293,7 @@ class NoopSession:
             WorkloadConfig,
             request_specs,
         )
-        from tests.vllm_harness import Harness  # noqa: PLC0415
+        from harness import Harness  # noqa: PLC0415
 
         config = WorkloadConfig(requests=requests, seed=seed)
         self.config = config

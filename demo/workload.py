@@ -1,7 +1,7 @@
 """A seeded serving workload through vLLM's real scheduler, two instances.
 
 Instance A (`kv_producer`) and instance B (`kv_consumer`) are
-`tests.vllm_harness.Harness` instances running vLLM 0.33's real
+`harness.scheduler.Harness` instances running vLLM 0.33's real
 `Scheduler` with `connector.MooncakeLifecycleConnector` over one Mooncake
 master.  Requests share prompt prefixes; A computes and saves them, B
 starts once A has finished a few requests and loads what A saved
@@ -41,10 +41,10 @@ from connector.metadata import JobKind
 from connector.scheduler import RequestTracker, SchedulerSide
 from connector.store import Op, StoreClient
 from connector.worker import WorkerSide
+from harness import FinishedRequest, Harness, HarnessError, KVRole
 from lifecycle import Row
 from lifecycle.kv import Event, KVTracker, State
 from lifecycle.trace import pair_key
-from tests.vllm_harness import FinishedRequest, Harness, HarnessError, KVRole
 
 if TYPE_CHECKING:
     from connector.vllm_connector import MooncakeLifecycleConnector

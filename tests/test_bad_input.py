@@ -1,7 +1,7 @@
 """Bad input at start-up, through the connector's real constructor path.
 
 `MooncakeLifecycleConnector(vllm_config, role, kv_cache_config)` is built
-with a real `VllmConfig` (made by `tests.vllm_harness.Harness`) whose
+with a real `VllmConfig` (made by `harness.scheduler.Harness`) whose
 `kv_connector_extra_config` or `MOONCAKE_CONFIG_PATH` file is wrong in one
 way at a time.  Each must fail at construction with a clear error naming
 the cause, within a bounded time, before any store client is opened;
@@ -29,8 +29,8 @@ from connector import clients
 from connector.config import CONFIG_PATH_ENV, StoreConfig
 from connector.errors import ConfigError, StoreUnavailable
 from connector.vllm_connector import MooncakeLifecycleConnector
+from harness import Harness
 from tests.connector_helpers import CONNECTOR, store_extra
-from tests.vllm_harness import Harness
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 

@@ -1,7 +1,11 @@
 """An embedded ``mooncake_master``: ``kv-lifecycle master``, tests, demos.
 
-Part of the product: ``kv-lifecycle master`` (``connector.cli``) runs a
-single-node master through it, and tests, demos and benchmarks use it too.
+Part of the product, decided once: ``kv-lifecycle master``
+(``connector.cli``) is an operator command that runs a single-node master
+through this module, so it stays in ``connector/`` (and ships in the wheel)
+with its errors in ``connector.errors`` and its config constructor beside
+``StoreConfig``, rather than moving to the test harness.  Tests, demos and
+benchmarks use it too, through the same public API.
 
 ``EmbeddedMaster`` starts the master binary shipped in the Mooncake wheel on
 chosen or free loopback ports, waits until it serves requests, forwards its
@@ -46,6 +50,7 @@ from connector.errors import (
     MasterNotRunningError,
     MasterStartError,
 )
+from connector.store.mooncake import probe_tcp
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -492,10 +497,10 @@ class EmbeddedMaster:
         if not isinstance(body, dict) or body.get("service_ready") is not True:
             return False
         try:
-            with socket.create_connection((HOST, self.ports.rpc), timeout=0.5):
-                return True
+            probe_tcp(HOST, self.ports.rpc, 0.5)
         except OSError:
             return False
+        return True
 
     def __enter__(self) -> Self:
         return self.start()

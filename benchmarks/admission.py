@@ -70,6 +70,7 @@ from benchmarks.scheduler_step import (
     _model_output,
     _theirs_server,
 )
+from harness.prompts import random_tokens
 
 BURSTS = (64, 256, 1024)
 MODES = ("none", "noop", "ours", "theirs")
@@ -87,18 +88,15 @@ _MAX_STEPS = 50  # per burst, to be scheduled
 
 def _prefixes(seed: int) -> list[list[int]]:
     rng = random.Random(f"prefixes/{seed}")
-    return [
-        [rng.randrange(500) for _ in range(PREFIX_BLOCKS * BLOCK)]
-        for _ in range(PREFIXES)
-    ]
+    return [random_tokens(rng, PREFIX_BLOCKS * BLOCK) for _ in range(PREFIXES)]
 
 
 def _prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
     """Half share a stored prefix; every prompt has a unique tail."""
-    tail = [rng.randrange(500) for _ in range(rng.randint(9, 40))]
+    tail = random_tokens(rng, rng.randint(9, 40))
     if rng.random() < 0.5:
         return [*rng.choice(prefixes), *tail]
-    return [rng.randrange(500) for _ in range(PREFIX_BLOCKS * BLOCK)] + tail
+    return random_tokens(rng, PREFIX_BLOCKS * BLOCK) + tail
 
 
 class PrefixWriter:

@@ -38,6 +38,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from harness.prompts import random_tokens
+
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
@@ -171,10 +173,7 @@ def _harness_class() -> type:
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [
-        [rng.randrange(500) for _ in range(rng.randint(56, _MAX_PROMPT))]
-        for _ in range(n)
-    ]
+    return [random_tokens(rng, rng.randint(56, _MAX_PROMPT)) for _ in range(n)]
 
 
 class StandInWorker:

@@ -52,6 +52,7 @@ from e2e.engine import (
 )
 from e2e.make_model import SIZES, ensure_model
 from e2e.snapshots import only_snapshot, settle
+from harness.prompts import random_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -64,9 +65,8 @@ LOG_LEVEL = "ERROR"  # vLLM logs to stdout, where the JSON goes
 
 
 def _prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
     vocab = SIZES[SIZE].vocab_size
-    return [rng.randrange(3, vocab) for _ in range(length)]
+    return random_tokens(random.Random(seed), length, low=3, vocab=vocab)
 
 
 def _spec(

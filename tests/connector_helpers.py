@@ -10,6 +10,8 @@ import importlib.metadata
 import importlib.util
 import time
 
+from harness.prompts import arithmetic_prompt
+
 CONNECTOR = "connector.MooncakeLifecycleConnector"
 
 
@@ -28,9 +30,7 @@ def store_extra(master, namespace, **more):
     }
 
 
-def prompt(seed, length):
-    """A deterministic prompt of `length` tokens; seeds share no prefix."""
-    return [(seed * 37 + i * 11) % 500 for i in range(length)]
+prompt = arithmetic_prompt  # seeds share no prefix
 
 
 def run(h, max_steps=3000, deadline_s=60.0):

@@ -25,6 +25,7 @@ import uuid
 
 import pytest
 
+from harness.prompts import random_tokens
 from tests.connector_helpers import store_extra, vllm_cpu_missing
 
 if reason := vllm_cpu_missing():
@@ -57,7 +58,7 @@ TOPOLOGIES = [
 
 
 def _random_prompt(rng, n):
-    return [rng.randrange(3, 512) for _ in range(n)]
+    return random_tokens(rng, n, low=3, vocab=512)
 
 
 def a_prompts():

@@ -30,6 +30,7 @@ import time
 
 import pytest
 
+from harness.prompts import random_tokens
 from tests.connector_helpers import vllm_cpu_missing
 
 if reason := vllm_cpu_missing():
@@ -67,12 +68,12 @@ def load_prompts(seed=0):
     """(prompt, disconnect after n chunks or None) per request."""
     rng = random.Random(seed)  # noqa: S311 - test data
     prefixes = [
-        [rng.randrange(3, 512) for _ in range(PREFIX_TOKENS)]
+        random_tokens(rng, PREFIX_TOKENS, low=3, vocab=512)
         for _ in range(N_PREFIXES)
     ]
     plan = []
     for i in range(N_LOAD):
-        tail = [rng.randrange(3, 512) for _ in range(rng.randrange(8, 60))]
+        tail = random_tokens(rng, rng.randrange(8, 60), low=3, vocab=512)
         cut = rng.randrange(0, 8) if rng.random() < DISCONNECT_RATE else None
         plan.append((prefixes[i % N_PREFIXES] + tail, cut))
     return plan
@@ -82,7 +83,7 @@ def probe_prompts():
     """Fresh prompts (3-5 blocks) that the load never sent."""
     rng = random.Random(4242)  # noqa: S311
     return [
-        [rng.randrange(3, 512) for _ in range(96 + 9 * i)]
+        random_tokens(rng, 96 + 9 * i, low=3, vocab=512)
         for i in range(N_PROBES)
     ]
 

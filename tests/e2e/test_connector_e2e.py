@@ -166,6 +166,18 @@ def assert_nothing_leaked(snap):
     assert snap["unexpected_reports"] == 0
 
 
+def test_baseline_is_deterministic_and_not_degenerate(model, baseline):
+    """Greedy decoding repeats itself; the prompts do not all agree.
+
+    Every comparison below against ``baseline`` relies on both.
+    """
+    with EngineProcess(spec(model)) as engine:
+        again = engine.generate(a_prompts(), MAX_TOKENS).token_ids
+    assert [len(t) for t in again] == [MAX_TOKENS] * len(A_LENS)
+    assert again == baseline["a"]
+    assert len({tuple(t) for t in again}) > 1
+
+
 # -- scenario 1 and 2: A saves, B loads --
 
 

@@ -50,7 +50,7 @@ from connector.errors import (
     StoreUnavailable,
 )
 from connector.store.batch import BatchResult
-from connector.store.breaker import BreakerState, CircuitBreaker
+from connector.store.breaker import CircuitBreaker
 from connector.store.codes import (
     _OUTAGE_CODES,
     ErrorCode,
@@ -275,14 +275,6 @@ class StoreClient:
     def replicate_config(self) -> Any:
         """The ``ReplicateConfig`` passed to puts."""
         return self._replicate
-
-    def healthy(self) -> bool:
-        """Open, breaker not open, and ``health_check() == 0``."""
-        return (
-            not self._closed
-            and self.breaker.state is BreakerState.CLOSED
-            and self._store.health_check() == 0
-        )
 
     # -- registration ---------------------------------------------------------
 

@@ -151,15 +151,23 @@ def find_binary() -> Path:
     raise MasterBinaryNotFoundError(tuple(searched))
 
 
+def _stat_state(stat: Path) -> str | None:
+    """The state letter of a Linux ``/proc/.../stat`` file (None: gone)."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (Linux ``/proc``)."""
+    return _stat_state(Path(f"/proc/{pid}/stat")) not in {None, "Z"}
+
+
 def _task_states(pid: int) -> list[str]:
     """The state letter of every thread of ``pid`` (Linux ``/proc``)."""
-    states = []
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-        try:
-            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-        except (OSError, IndexError):
-            continue
-    return states
+    tasks = Path(f"/proc/{pid}/task").glob("*/stat")
+    return [s for s in map(_stat_state, tasks) if s is not None]
 
 
 def _wait_stopped(pid: int, *, stopped: bool, timeout_s: float) -> None:

@@ -38,6 +38,7 @@ if reason := vllm_cpu_missing():
 
 aiohttp = pytest.importorskip("aiohttp")
 
+from connector.master import process_alive  # noqa: E402
 from e2e.make_model import ensure_model  # noqa: E402
 from e2e.serving import (  # noqa: E402
     ApiServer,
@@ -393,12 +394,4 @@ def test_openai_server_by_plugin_name_survives_load_and_master_crash(
                 command.stop()
     assert restarted.stop() == 0  # SIGTERM: a clean exit ...
     for pid in (master.master_pid, restarted.master_pid):
-        assert not _alive(pid)  # ... and no master left behind
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:  # noqa: PTH123
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+        assert not process_alive(pid)  # ... and no master left behind

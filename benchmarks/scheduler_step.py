@@ -38,6 +38,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from harness.extra_config import store_extra
 from harness.prompts import random_tokens
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
@@ -242,14 +243,8 @@ def _model_output(scheduler: Any, so: Any, kv_output: Any) -> Any:
 
 def _extra_config(mode: str, master: Any) -> dict[str, Any]:
     if mode == "ours":
-        return {
-            "master_server_address": master.rpc_address,
-            "metadata_server": master.metadata_server,
-            "protocol": "tcp",
-            "global_segment_size": 0,
-            "local_buffer_size": "16MiB",
-            "namespace": uuid.uuid4().hex[:12],
-        }
+        namespace = uuid.uuid4().hex[:12]
+        return store_extra(master, namespace, global_segment_size=0)
     if mode == "theirs":
         return {"lookup_rpc_port": f"bench{uuid.uuid4().hex[:8]}"}
     return {}

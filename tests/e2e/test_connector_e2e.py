@@ -25,6 +25,7 @@ import uuid
 
 import pytest
 
+from harness.extra_config import LOOPBACK
 from harness.prompts import random_tokens
 from tests.connector_helpers import store_extra, vllm_cpu_missing
 
@@ -111,9 +112,7 @@ def extra_config(master, namespace, snapshot_dir, **more):
     return store_extra(
         master,
         namespace,
-        local_hostname="127.0.0.1",
-        rpc_timeout_ms=2000,
-        setup_retries=1,
+        **LOOPBACK,
         **{SNAPSHOT_DIR_KEY: str(snapshot_dir)},
         **more,
     )

@@ -136,7 +136,7 @@ _OUTAGE_CODES: Final = frozenset(
 
 
 def _has_outage(codes: list[int]) -> bool:
-    # NOTE(store): on the hot path every code is >= 0; one C-level min()
+    # on the hot path every code is >= 0; one C-level min()
     # of plain ints settles it (IntEnum comparisons are slower).
     if not codes or min(codes) >= 0:
         return False
@@ -147,7 +147,7 @@ _OK_ORDER: Final = (Outcome.HIT, Outcome.STORED, Outcome.ALREADY_PRESENT)
 
 
 def _num_ok(outcomes: list[Outcome]) -> int:
-    # NOTE(store): list.count runs in C; a Python loop per key would be
+    # list.count runs in C; a Python loop per key would be
     # visible in the benchmark at 256 KiB x 16.
     return sum(outcomes.count(ok) for ok in _OK_ORDER)
 

@@ -5,7 +5,7 @@ STAMP := .venv/.bootstrapped
 REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh) scripts/install_self.sh pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: all venv venv-e2e e2e unit-e2e serving-e2e bench-ttft cluster bench-cluster test lint typecheck diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
+.PHONY: all venv venv-e2e e2e unit-e2e serving-e2e bench-ttft cluster bench-cluster test lint imports typecheck diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
 
 all: test
 
@@ -16,11 +16,15 @@ $(STAMP): $(REQS)
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check lifecycle connector demo tests benchmarks scripts e2e docs examples
-	$(PY) -m ruff format --check lifecycle connector demo tests benchmarks scripts e2e docs examples
+	$(PY) -m ruff check lifecycle connector harness demo tests benchmarks scripts e2e docs examples
+	$(PY) -m ruff format --check lifecycle connector harness demo tests benchmarks scripts e2e docs examples
+
+# The layering contracts in pyproject.toml ([tool.importlinter]).
+imports: $(STAMP)
+	PYTHONPATH=. .venv/bin/lint-imports --no-cache
 
 typecheck: $(STAMP)
-	$(PY) -m mypy --strict lifecycle connector demo examples
+	$(PY) -m mypy --strict lifecycle connector harness demo examples
 	$(PY) -m mypy --strict docs/_ext docs/conf.py
 
 # Every shipped table: the KV lifecycle and the P/D producer and consumer.
@@ -42,7 +46,7 @@ docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -E -b html docs $(DOCS_OUT)
 	@echo "docs: $(DOCS_OUT)/index.html"
 
-test: lint typecheck diagrams-check docs unit unit-e2e serving-e2e
+test: lint imports typecheck diagrams-check docs unit unit-e2e serving-e2e
 
 # The ordering fuzzer with a large budget (`make test` runs the CI budget).
 # FUZZ_EXAMPLES=N overrides the number of examples.

@@ -1,7 +1,7 @@
 """Admission cost on the scheduler thread, in vLLM 0.33's real `Scheduler`.
 
 ``python -m benchmarks.admission --json`` runs the plain `Scheduler` (via
-`tests.vllm_harness`, no worker: `benchmarks.scheduler_step`'s stand-in
+`harness.scheduler`, no worker: `benchmarks.scheduler_step`'s stand-in
 worker reports every job of step k done in step k+1) with a running set
 of decoding requests, and adds bursts of N new requests at once (N = 64,
 256, 1024).  Half of each burst's prompts start with one of a few shared
@@ -77,6 +77,7 @@ from benchmarks.scheduler_step import (
     _model_output,
     _theirs_server,
 )
+from harness.prompts import random_tokens
 
 BURSTS = (64, 256, 1024)
 MODES = ("none", "noop", "ours", "theirs")
@@ -99,18 +100,15 @@ _MAX_STEPS = 50  # per burst, to be scheduled
 
 def _prefixes(seed: int) -> list[list[int]]:
     rng = random.Random(f"prefixes/{seed}")
-    return [
-        [rng.randrange(500) for _ in range(PREFIX_BLOCKS * BLOCK)]
-        for _ in range(PREFIXES)
-    ]
+    return [random_tokens(rng, PREFIX_BLOCKS * BLOCK) for _ in range(PREFIXES)]
 
 
 def _prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
     """Half share a stored prefix; every prompt has a unique tail."""
-    tail = [rng.randrange(500) for _ in range(rng.randint(9, 40))]
+    tail = random_tokens(rng, rng.randint(9, 40))
     if rng.random() < 0.5:
         return [*rng.choice(prefixes), *tail]
-    return [rng.randrange(500) for _ in range(PREFIX_BLOCKS * BLOCK)] + tail
+    return random_tokens(rng, PREFIX_BLOCKS * BLOCK) + tail
 
 
 class PrefixWriter:

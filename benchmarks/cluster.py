@@ -54,6 +54,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 from benchmarks import percentile
 from benchmarks.cluster_node import Node
 from connector.master import EmbeddedMaster
+from harness.extra_config import LOOPBACK, store_extra
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -78,7 +79,7 @@ def suffix(req: int, length: int) -> list[int]:
 
 def expected_output(prompt: Sequence[int], n: int) -> list[int]:
     """The tokens recomputation samples after `prompt` (the harness's)."""
-    from tests.vllm_harness import (  # noqa: PLC0415
+    from harness.scheduler import (  # noqa: PLC0415
         extend_hash,
         prefix_hashes,
         sample_token,
@@ -144,18 +145,7 @@ def extra(
     master: EmbeddedMaster, namespace: str, **more: Any
 ) -> dict[str, Any]:
     """The connector's extra config for an instance of `master`."""
-    return {
-        "master_server_address": master.rpc_address,
-        "metadata_server": master.metadata_server,
-        "protocol": "tcp",
-        "global_segment_size": "64MiB",
-        "local_buffer_size": "16MiB",
-        "local_hostname": "127.0.0.1",
-        "namespace": namespace,
-        "rpc_timeout_ms": 2000,
-        "setup_retries": 1,
-        **more,
-    }
+    return store_extra(master, namespace, **{**LOOPBACK, **more})
 
 
 def workload(

@@ -2,7 +2,7 @@
 
 `Node.spawn` starts a process (multiprocessing ``spawn``: a Mooncake
 client must never be forked) that imports vLLM and waits for commands.
-Each ``open`` builds a `tests.vllm_harness.Harness`: vLLM 0.33's real
+Each ``open`` builds a `harness.scheduler.Harness`: vLLM 0.33's real
 scheduler with the project's connector, and the worker half in the same
 process, so its store client contributes this process's own segment to
 the master named in the extra config.  A process may open several
@@ -170,9 +170,9 @@ def _same_model_everywhere(root: Path) -> None:
     Keys carry the model's folder name; the harness makes a fresh
     temporary folder per process, so instances would never share a key.
     """
-    import tests.vllm_harness as harness  # noqa: PLC0415
+    import harness.scheduler as scheduler_harness  # noqa: PLC0415
 
-    make = harness._tiny_model_dir  # noqa: SLF001
+    make = scheduler_harness._tiny_model_dir  # noqa: SLF001
 
     @functools.cache
     def tiny_model_dir(num_layers: int, max_model_len: int) -> Path:
@@ -183,7 +183,7 @@ def _same_model_everywhere(root: Path) -> None:
         shutil.copy(source / "config.json", folder / "config.json")
         return folder
 
-    harness._tiny_model_dir = tiny_model_dir  # noqa: SLF001
+    scheduler_harness._tiny_model_dir = tiny_model_dir  # noqa: SLF001
 
 
 class _Counting(logging.Handler):
@@ -214,7 +214,7 @@ class _NodeState:
         self, key: str, extra: dict[str, Any], **harness: Any
     ) -> dict[str, Any]:
         from connector.metadata import JobKind  # noqa: PLC0415
-        from tests.vllm_harness import Harness  # noqa: PLC0415
+        from harness import Harness  # noqa: PLC0415
 
         h = Harness(CONNECTOR, extra_config=extra, **harness)
         self.harnesses[key] = h

@@ -1,7 +1,7 @@
 """Scheduler-side connector cost per step inside vLLM 0.33's real `Scheduler`.
 
 ``python -m benchmarks.scheduler_step --json`` follows section 7 of the
-connector reference: the plain `Scheduler` (via `tests.vllm_harness`), a
+connector reference: the plain `Scheduler` (via `harness.scheduler`), a
 steady decode of N running requests (prompts of 56-71 tokens, no
 preemption), and per step the time of `schedule()` + `update_from_output()`
 and, separately, the time spent inside the connector's scheduler-side hooks
@@ -37,6 +37,9 @@ import threading
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
+
+from harness.extra_config import store_extra
+from harness.prompts import random_tokens
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -142,13 +145,13 @@ class LookupStandIn:
 
 
 def _harness_class() -> type:
-    """`tests.vllm_harness.Harness` without a worker-role connector.
+    """`harness.scheduler.Harness` without a worker-role connector.
 
     Only the scheduler side is measured, so no worker connector (and no
     KV tensor registration) is made; ``connector=None`` builds a scheduler
     with no KV connector at all.
     """
-    from tests.vllm_harness import Harness  # noqa: PLC0415
+    from harness import Harness  # noqa: PLC0415
 
     class SchedulerOnly(Harness):  # type: ignore[misc]
         no_connector = False
@@ -171,10 +174,7 @@ def _harness_class() -> type:
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [
-        [rng.randrange(500) for _ in range(rng.randint(56, _MAX_PROMPT))]
-        for _ in range(n)
-    ]
+    return [random_tokens(rng, rng.randint(56, _MAX_PROMPT)) for _ in range(n)]
 
 
 class StandInWorker:
@@ -243,14 +243,8 @@ def _model_output(scheduler: Any, so: Any, kv_output: Any) -> Any:
 
 def _extra_config(mode: str, master: Any) -> dict[str, Any]:
     if mode == "ours":
-        return {
-            "master_server_address": master.rpc_address,
-            "metadata_server": master.metadata_server,
-            "protocol": "tcp",
-            "global_segment_size": 0,
-            "local_buffer_size": "16MiB",
-            "namespace": uuid.uuid4().hex[:12],
-        }
+        namespace = uuid.uuid4().hex[:12]
+        return store_extra(master, namespace, global_segment_size=0)
     if mode == "theirs":
         return {"lookup_rpc_port": f"bench{uuid.uuid4().hex[:8]}"}
     return {}

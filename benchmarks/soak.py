@@ -1,6 +1,6 @@
 """Soak: the demo's workload at scale, with one master restart.
 
-`python -m benchmarks.soak --requests N --json` runs `demo.workload`
+`python -m benchmarks.soak --requests N --json` runs `demo.session`
 (two vLLM 0.33 schedulers with the connector over one embedded Mooncake
 master; shared prefixes, KV pressure, aborts, one load failure per 1000
 requests, duplicate `request_finished` calls) and restarts the master
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from demo.workload import Session
+    from demo.session import Session
 
 RSS_GOAL_PCT = 5.0
 BASELINE_SLACK_PTS = 0.5
@@ -167,11 +167,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     from connector import clients  # noqa: PLC0415 - imports vLLM
     from connector.master import EmbeddedMaster  # noqa: PLC0415
-    from demo.workload import (  # noqa: PLC0415
+    from demo.session import (  # noqa: PLC0415
         Session,
-        WorkloadConfig,
         single_threaded_torch,
     )
+    from demo.spec import WorkloadConfig  # noqa: PLC0415
 
     config = WorkloadConfig(
         requests=args.requests,
@@ -285,15 +285,15 @@ class NoopSession:
     """The workload's requests through a no-op connector, two instances.
 
     Same specs, concurrency, B's warm-up and abort schedule as
-    `demo.workload.Session` (no store, so no load faults or restart).
+    `demo.session.Session` (no store, so no load faults or restart).
     """
 
     def __init__(self, requests: int, seed: int) -> None:
-        from demo.workload import (  # noqa: PLC0415
+        from demo.spec import (  # noqa: PLC0415
             WorkloadConfig,
             request_specs,
         )
-        from tests.vllm_harness import Harness  # noqa: PLC0415
+        from harness import Harness  # noqa: PLC0415
 
         config = WorkloadConfig(requests=requests, seed=seed)
         self.config = config
@@ -371,7 +371,7 @@ class NoopSession:
 
 def run_noop(args: argparse.Namespace) -> dict[str, Any]:
     """`NoopSession` to the end; RSS at its start, checkpoint and end."""
-    from demo.workload import single_threaded_torch  # noqa: PLC0415
+    from demo.session import single_threaded_torch  # noqa: PLC0415
 
     rss_checkpoint = None
     with single_threaded_torch():

@@ -33,10 +33,10 @@ def _traced(path: Path, max_events: int, n: int) -> Callable[[], int]:
 def _stats_take(steps: int) -> float:
     """Microseconds per `StatsSource.take` after one step of 10 events."""
     from connector.stats import StatsSource  # noqa: PLC0415 - imports vLLM
-    from connector.store import StoreStats  # noqa: PLC0415
+    from connector.store import StoreCounters  # noqa: PLC0415
 
     machine = LifecycleMachine(TABLE)
-    source = StatsSource(machine=machine, store=StoreStats())
+    source = StatsSource(machine=machine, store=StoreCounters())
     trackers = [KVTracker(f"r{i}") for i in range(steps)]
     total = 0.0
     for t in trackers:

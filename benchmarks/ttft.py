@@ -52,6 +52,8 @@ from e2e.engine import (
 )
 from e2e.make_model import SIZES, ensure_model
 from e2e.snapshots import only_snapshot, settle
+from harness.extra_config import store_extra
+from harness.prompts import random_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -64,9 +66,8 @@ LOG_LEVEL = "ERROR"  # vLLM logs to stdout, where the JSON goes
 
 
 def _prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
     vocab = SIZES[SIZE].vocab_size
-    return [rng.randrange(3, vocab) for _ in range(length)]
+    return random_tokens(random.Random(seed), length, low=3, vocab=vocab)
 
 
 def _spec(
@@ -77,16 +78,13 @@ def _spec(
     *,
     mp: bool,
 ) -> EngineSpec:
-    extra = {
-        "master_server_address": master.rpc_address,
-        "metadata_server": master.metadata_server,
-        "protocol": "tcp",
-        "local_hostname": "127.0.0.1",
-        "global_segment_size": "1GB",
-        "local_buffer_size": "16MiB",
-        "namespace": "ttft",
-        "e2e_snapshot_dir": str(snapshots),
-    }
+    extra = store_extra(
+        master,
+        "ttft",
+        local_hostname="127.0.0.1",
+        global_segment_size="1GB",
+        e2e_snapshot_dir=str(snapshots),
+    )
     blocks = prompt_len // BLOCK + 2
     return EngineSpec(
         model=str(ensure_model(SIZE)),

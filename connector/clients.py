@@ -28,7 +28,7 @@ from connector.config import StoreConfig
 from connector.store import StoreClient
 
 _LOCK: Final = threading.Lock()
-_CLIENTS: dict[StoreConfig, tuple[StoreClient, int]] = {}
+_CLIENTS: dict[StoreConfig, StoreClient] = {}
 
 
 def acquire(config: StoreConfig, *, contribute: bool = True) -> StoreClient:
@@ -47,33 +47,33 @@ def acquire(config: StoreConfig, *, contribute: bool = True) -> StoreClient:
         choices.append(attrs.evolve(identity, global_segment_size=0))
     with _LOCK:
         for choice in choices:
-            entry = _CLIENTS.get(choice)
-            if entry is not None and not entry[0].closed:
-                client, refs = entry
-                _CLIENTS[choice] = (client, refs + 1)
+            client = _CLIENTS.get(choice)
+            if client is not None and not client.closed:
                 return client
         opened = choices[-1]
         client = StoreClient.open(
             attrs.evolve(opened, namespace=config.namespace)
         )
-        _CLIENTS[opened] = (client, 1)
+        _CLIENTS[opened] = client
         return client
 
 
 def release(client: StoreClient) -> None:
-    """Drop one reference (the client stays open for the process)."""
-    with _LOCK:
-        for config, (held, refs) in list(_CLIENTS.items()):
-            if held is client:
-                _CLIENTS[config] = (held, max(refs - 1, 0))
-                return
+    """Say that a holder is done with `client`; it stays open regardless.
+
+    Clients live until the process exits (see the module docstring), so
+    nothing is counted: this is the pair of `acquire` that a holder calls
+    when it shuts down or fails to start, and the one place a closing
+    policy would go.
+    """
+    del client
 
 
 @atexit.register
 def close_all() -> None:
     """Close every client (at process exit, or when a test is done)."""
     with _LOCK:
-        clients = [c for c, _ in _CLIENTS.values()]
+        clients = list(_CLIENTS.values())
         _CLIENTS.clear()
     for client in clients:
         client.close()

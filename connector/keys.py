@@ -210,7 +210,3 @@ class KeyScheme:
         """The keys of many blocks, in order."""
         key = self.key
         return [key(h) for h in block_hashes]
-
-    def owns(self, key: str) -> bool:
-        """Whether ``key`` was produced by this scheme."""
-        return key.startswith(self._prefix)

@@ -1,7 +1,11 @@
 """An embedded ``mooncake_master``: ``kv-lifecycle master``, tests, demos.
 
-Part of the product: ``kv-lifecycle master`` (``connector.cli``) runs a
-single-node master through it, and tests, demos and benchmarks use it too.
+Part of the product, decided once: ``kv-lifecycle master``
+(``connector.cli``) is an operator command that runs a single-node master
+through this module, so it stays in ``connector/`` (and ships in the wheel)
+with its errors in ``connector.errors`` and its config constructor beside
+``StoreConfig``, rather than moving to the test harness.  Tests, demos and
+benchmarks use it too, through the same public API.
 
 ``EmbeddedMaster`` starts the master binary shipped in the Mooncake wheel on
 chosen or free loopback ports, waits until it serves requests, forwards its
@@ -46,6 +50,7 @@ from connector.errors import (
     MasterNotRunningError,
     MasterStartError,
 )
+from connector.store.mooncake import probe_tcp
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -146,15 +151,23 @@ def find_binary() -> Path:
     raise MasterBinaryNotFoundError(tuple(searched))
 
 
+def _stat_state(stat: Path) -> str | None:
+    """The state letter of a Linux ``/proc/.../stat`` file (None: gone)."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (Linux ``/proc``)."""
+    return _stat_state(Path(f"/proc/{pid}/stat")) not in {None, "Z"}
+
+
 def _task_states(pid: int) -> list[str]:
     """The state letter of every thread of ``pid`` (Linux ``/proc``)."""
-    states = []
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-        try:
-            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-        except (OSError, IndexError):
-            continue
-    return states
+    tasks = Path(f"/proc/{pid}/task").glob("*/stat")
+    return [s for s in map(_stat_state, tasks) if s is not None]
 
 
 def _wait_stopped(pid: int, *, stopped: bool, timeout_s: float) -> None:
@@ -492,10 +505,10 @@ class EmbeddedMaster:
         if not isinstance(body, dict) or body.get("service_ready") is not True:
             return False
         try:
-            with socket.create_connection((HOST, self.ports.rpc), timeout=0.5):
-                return True
+            probe_tcp(HOST, self.ports.rpc, 0.5)
         except OSError:
             return False
+        return True
 
     def __enter__(self) -> Self:
         return self.start()

@@ -40,7 +40,7 @@ from lifecycle.trace import pair_key
 if TYPE_CHECKING:
     from prometheus_client import Counter, Histogram
 
-    from connector.store import OpStats, StoreStats
+    from connector.store import OpCounters, StoreCounters
     from lifecycle import LifecycleMachine
 
     AnyMachine = LifecycleMachine[Any, Any, Any]
@@ -214,7 +214,7 @@ def _percentile(ordered: list[float], q: float) -> float:
     return ordered[max(math.ceil(q * len(ordered)) - 1, 0)]
 
 
-def _op_figures(stats: OpStats) -> dict[str, Any]:
+def _op_figures(stats: OpCounters) -> dict[str, Any]:
     return {
         "ops": stats.ops,
         "keys": stats.keys,
@@ -249,7 +249,7 @@ class StatsSource:
         self,
         *,
         machine: AnyMachine | None = None,
-        store: StoreStats | None = None,
+        store: StoreCounters | None = None,
         half: str = "scheduler",
     ) -> None:
         if half not in HALVES:

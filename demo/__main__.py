@@ -1,7 +1,7 @@
 """`python -m demo`: a serving session through vLLM's real scheduler.
 
 Starts an embedded Mooncake master, runs the seeded workload of
-`demo.workload` through two vLLM 0.33 schedulers with the connector, shows
+`demo.spec` through two vLLM 0.33 schedulers with the connector, shows
 a progress bar, and prints the report (`--json` for JSON).  Writes the
 live lifecycle diagram, the log and, when the connector supports it, a
 lifecycle trace per instance under `--out`.  Exits 1 unless every request
@@ -23,7 +23,7 @@ from typing import IO, TYPE_CHECKING, Final
 from demo.report import format_report, write_diagram
 
 if TYPE_CHECKING:
-    from demo.workload import SessionReport
+    from demo.report import SessionReport
 
 DEFAULT_OUT: Final = Path("out")
 
@@ -123,11 +123,11 @@ def _session(args: argparse.Namespace, log_path: Path) -> SessionReport:
 
     from connector import clients  # noqa: PLC0415
     from connector.master import EmbeddedMaster  # noqa: PLC0415
-    from demo.workload import (  # noqa: PLC0415
+    from demo.session import (  # noqa: PLC0415
         Session,
-        WorkloadConfig,
         single_threaded_torch,
     )
+    from demo.spec import WorkloadConfig  # noqa: PLC0415
 
     config = WorkloadConfig(requests=args.requests, seed=args.seed)
     with stderr_to(log_path) as console, single_threaded_torch():

@@ -2,7 +2,7 @@
 
 Runs only in the ``.venv-e2e`` venv (``make venv-e2e``).
 ``make_model`` writes the model, ``engine`` drives ``vllm.LLM`` in
-subprocesses, and ``testing_connectors`` holds scaffolding connectors
-used to validate the wiring until the project's connector replaces them,
-and ``timings`` measures engine start and prefill times.
+subprocesses, ``lifecycle_connectors`` observes the project's connector
+from inside an engine (snapshots, one fault hook), ``snapshots`` reads
+what it wrote, and ``serving`` runs the OpenAI-compatible server.
 """

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_CACHE_ROOT = REPO_ROOT / ".cache" / "vllm-e2e"
-TEST_CONNECTOR_MODULE = "e2e.testing_connectors"
 LIFECYCLE_CONNECTOR = "MooncakeLifecycleConnector"
 LIFECYCLE_CONNECTOR_MODULE = "connector"
 OBSERVED_CONNECTOR = "ObservedLifecycleConnector"
@@ -49,7 +48,7 @@ class ConnectorSpec:
     """What goes into vLLM's ``KVTransferConfig``."""
 
     name: str
-    module_path: str = TEST_CONNECTOR_MODULE
+    module_path: str = LIFECYCLE_CONNECTOR_MODULE
     role: str = "kv_both"
     extra_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -371,19 +370,3 @@ class EngineProcess:
         start = time.perf_counter()
         self.close(kill=exc[0] is not None)
         self.info["close_s"] = time.perf_counter() - start
-
-
-def run_engine(
-    spec: EngineSpec,
-    prompts: Sequence[Sequence[int]],
-    max_tokens: int = 16,
-    repeats: int = 1,
-) -> tuple[list[Generation], dict[str, Any]]:
-    """One engine process: ``repeats`` generate calls, then shut down.
-
-    Returns:
-        The generations and the process info (pid, import and start times).
-    """
-    with EngineProcess(spec) as engine:
-        gens = [engine.generate(prompts, max_tokens) for _ in range(repeats)]
-        return gens, engine.info

@@ -37,7 +37,7 @@ import torch
 
 from connector.vllm_connector import MooncakeLifecycleConnector
 from e2e.snapshots import write_json
-from lifecycle.kv import State
+from lifecycle.kv import TABLE, State
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 SNAPSHOT_DIR_KEY = "e2e_snapshot_dir"
 CORRUPT_LOADS_KEY = "e2e_corrupt_loads"
-TERMINAL = frozenset({State.FINISHED, State.ABORTED})
 
 
 class CountingStore:
@@ -134,7 +133,7 @@ class ObservedLifecycleConnector(MooncakeLifecycleConnector):
         self, tracker: Any, source: State, event: Any, dest: State
     ) -> None:
         del source, event
-        if dest in TERMINAL:
+        if dest in TABLE.terminal:
             self._terminal[tracker.req_id] = dest.name
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:

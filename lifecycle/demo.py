@@ -7,6 +7,7 @@ import logging
 from lifecycle.kv import TABLE, Event, KVTracker
 from lifecycle.machine import LifecycleMachine
 from lifecycle.registry import Registry
+from lifecycle.trace import pair_key
 
 STORY = (
     (Event.LOOKUP, "get_num_new_matched_tokens: 32 tokens in the store"),
@@ -38,8 +39,7 @@ def walk() -> int:
             f"{state:<10} {tracker.epoch:>5}  {what}"
         )
     illegal = {
-        f"{s.name if s else 'unknown-id'}/{e.value}": n
-        for (s, e), n in machine.illegal_counts.items()
+        pair_key(s, e): n for (s, e), n in machine.illegal_counts.items()
     }
     stale = sum(machine.stale_counts.values())
     print(

@@ -24,6 +24,8 @@ if [ ! -x .venv/bin/python ]; then
     echo "bootstrap: creating .venv with $($PY --version)"
     "$PY" -m venv .venv
 fi
+# base.txt: runtime pins and the development tools (pytest, mypy, ruff,
+# import-linter for `make imports`).
 echo "bootstrap: installing pinned Python packages"
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements/base.txt
 # The docs site (make docs) and lifecycle.sphinxext's tests.

@@ -23,7 +23,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from connector.config import MiB, StoreConfig
 from connector.errors import MasterBinaryNotFoundError
-from connector.master import EmbeddedMaster, find_binary
+from connector.master import EmbeddedMaster, find_binary, process_alive
 from connector.store import Regions, StoreClient
 from tests.connector_helpers import store_extra
 from tests.scheduler_guard import SchedulerThreadGuard
@@ -41,15 +41,6 @@ def _pgrep() -> set[int]:
         check=False,
     ).stdout
     return {int(pid) for pid in out.split()}
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +62,7 @@ def _no_master_left_behind():
     before = _pgrep()
     yield
     spawned = {pid for master in _MASTERS for pid in master.pids}
-    alive = {pid for pid in spawned if _alive(pid)}
+    alive = {pid for pid in spawned if process_alive(pid)}
     assert not alive, f"mooncake_master left running: {sorted(alive)}"
     # Other suites on the machine may run masters; only ours are checked.
     assert not (_pgrep() - before) & spawned

@@ -10,27 +10,16 @@ import importlib.metadata
 import importlib.util
 import time
 
+from harness.extra_config import store_extra
+from harness.prompts import arithmetic_prompt
+
 CONNECTOR = "connector.MooncakeLifecycleConnector"
 
 
-def store_extra(master, namespace, **more):
-    """A valid `kv_connector_extra_config` for `master`: TCP, 64 MiB
-    segment, 16 MiB local buffer, `namespace`; `more` adds or overrides.
-    """
-    return {
-        "master_server_address": master.rpc_address,
-        "metadata_server": master.metadata_server,
-        "protocol": "tcp",
-        "global_segment_size": "64MiB",
-        "local_buffer_size": "16MiB",
-        "namespace": namespace,
-        **more,
-    }
+__all__ = ["store_extra"]  # re-exported: many tests import it from here
 
 
-def prompt(seed, length):
-    """A deterministic prompt of `length` tokens; seeds share no prefix."""
-    return [(seed * 37 + i * 11) % 500 for i in range(length)]
+prompt = arithmetic_prompt  # seeds share no prefix
 
 
 def run(h, max_steps=3000, deadline_s=60.0):

@@ -3,7 +3,7 @@
 `ReferenceConnector` saves every full prompt block, keyed by vLLM's chained
 block hash, into a process-global dict that stands in for a remote store,
 and loads hits back into freshly allocated blocks.
-It validates `tests/vllm_harness.py` and is the "naive connector" baseline
+It validates `harness/scheduler.py` and is the "naive connector" baseline
 for regression tests: plain dicts and no lifecycle, but correct under the
 orderings the harness produces.
 

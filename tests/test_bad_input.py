@@ -1,7 +1,7 @@
 """Bad input at start-up, through the connector's real constructor path.
 
 `MooncakeLifecycleConnector(vllm_config, role, kv_cache_config)` is built
-with a real `VllmConfig` (made by `tests.vllm_harness.Harness`) whose
+with a real `VllmConfig` (made by `harness.scheduler.Harness`) whose
 `kv_connector_extra_config` or `MOONCAKE_CONFIG_PATH` file is wrong in one
 way at a time.  Each must fail at construction with a clear error naming
 the cause, within a bounded time, before any store client is opened;
@@ -29,8 +29,8 @@ from connector import clients
 from connector.config import CONFIG_PATH_ENV, StoreConfig
 from connector.errors import ConfigError, StoreUnavailable
 from connector.vllm_connector import MooncakeLifecycleConnector
+from harness import Harness
 from tests.connector_helpers import CONNECTOR, store_extra
-from tests.vllm_harness import Harness
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
@@ -111,11 +111,6 @@ def test_every_key_has_a_bad_case():
     assert keys == set(BAD_VALUES)
 
 
-def _client_refs() -> int:
-    """References held on the process's store clients."""
-    return sum(refs for _, refs in clients._CLIENTS.values())
-
-
 class TestExtraConfig:
     @pytest.mark.parametrize(("key", "value"), sorted(BAD_VALUES.items()))
     def test_bad_value_names_its_key(self, good, key, value, monkeypatch):
@@ -156,11 +151,20 @@ class TestExtraConfig:
         extra, h = good
         monkeypatch.delenv(CONFIG_PATH_ENV, raising=False)
         path = str(tmp_path / "missing-dir" / "trace.jsonl")
-        refs_before = _client_refs()
+        acquired, released = [], []
+        acquire = clients.acquire
+
+        def spy_acquire(*args, **kwargs):
+            acquired.append(acquire(*args, **kwargs))
+            return acquired[-1]
+
+        monkeypatch.setattr(clients, "acquire", spy_acquire)
+        monkeypatch.setattr(clients, "release", released.append)
         err = construct_fails(h, {**extra, "lifecycle_trace": path})
         assert err.key == "lifecycle_trace"
         # The failed construction released the store client it acquired.
-        assert _client_refs() == refs_before
+        assert len(acquired) == 1
+        assert released == acquired
 
     def test_unknown_keys_are_warned_about(self, good, caplog, monkeypatch):
         """An unknown key is logged by name; the connector still works."""

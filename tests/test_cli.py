@@ -12,27 +12,18 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from connector import cli
 from connector.config import StoreConfig
 from connector.keys import KeyScheme, Layout
-from connector.master import MasterPorts
+from connector.master import MasterPorts, process_alive
 from connector.store import Outcome, StoreClient
 from lifecycle import kv, pd, render
 
 READY = re.compile(r"mooncake_master pid (\d+) ready")
 BLOCK = 4096
-
-
-def alive(pid):
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 class Command:
@@ -92,7 +83,7 @@ def command(tmp_path):
         # SIGTERM, so the command stops its master (its own session).
         c.stop(signal.SIGTERM)
         match = READY.search(c.err_path.read_text())
-        if match is not None and alive(int(match.group(1))):
+        if match is not None and process_alive(int(match.group(1))):
             os.kill(int(match.group(1)), signal.SIGKILL)
 
 
@@ -109,7 +100,7 @@ def test_master_config_connects_a_real_client_and_sigterm_stops_it(
     )
     config = run.json_line()
     pid = run.master_pid()
-    assert alive(pid)
+    assert process_alive(pid)
 
     assert config["kv_connector"] == "MooncakeLifecycleConnector"
     assert "kv_connector_module_path" not in config
@@ -149,7 +140,7 @@ def test_master_config_connects_a_real_client_and_sigterm_stops_it(
         client.close()
 
     assert run.stop(signal.SIGTERM) == 0
-    assert not alive(pid)
+    assert not process_alive(pid)
     assert "signal 15" in run.err_path.read_text()
 
 
@@ -174,7 +165,7 @@ def test_master_on_chosen_ports_stops_on_ctrl_c(command, master_binary):
     )
     assert config["kv_role"] == "kv_consumer"
     assert run.stop(signal.SIGINT) == 0
-    assert not alive(pid)
+    assert not process_alive(pid)
 
 
 @pytest.mark.mooncake

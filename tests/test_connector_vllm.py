@@ -1,6 +1,6 @@
 """The connector inside vLLM 0.33's real scheduler, over a real master.
 
-Each scenario runs `tests.vllm_harness.Harness`: vLLM's own `Scheduler`
+Each scenario runs `harness.scheduler.Harness`: vLLM's own `Scheduler`
 (or `AsyncScheduler`) drives `connector.MooncakeLifecycleConnector`
 loaded by module path, the harness plays the model runner on CPU KV
 tensors and checks after every step that each computed block holds what
@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from connector.store import BatchResult, Op, Outcome
+from harness import Harness
 from tests.connector_helpers import (
     CONNECTOR,
     assert_clean,
@@ -25,7 +26,6 @@ from tests.connector_helpers import (
     side,
     store_prefix,
 )
-from tests.vllm_harness import Harness
 from tests.worker_helpers import Gate
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]

@@ -1,6 +1,6 @@
 """Fault injection: the connector in vLLM's real scheduler, the store failing.
 
-Each test runs `tests.vllm_harness.Harness` (vLLM 0.33's `Scheduler`, our
+Each test runs `harness.scheduler.Harness` (vLLM 0.33's `Scheduler`, our
 connector loaded by module path, KV content checked every step) against a
 private `mooncake_master` that is killed, hung (SIGSTOP) and restarted
 mid-run, filled up, or whose transfers fail in part.  Loads that fail turn
@@ -28,6 +28,7 @@ from connector.store import (
     Op,
     Outcome,
 )
+from harness import Harness
 from tests import connector_helpers as helpers
 from tests.connector_helpers import (
     CONNECTOR,
@@ -36,7 +37,6 @@ from tests.connector_helpers import (
     side,
     store_extra,
 )
-from tests.vllm_harness import Harness
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 

@@ -84,6 +84,7 @@ from connector.scheduler import Role, SchedulerSide
 from connector.store import Regions
 from connector.vllm_connector import LifecycleWorkerMetadata, _StoreLookup
 from connector.worker import KVLayout, WorkerSide
+from harness.prompts import arithmetic_prompt
 from lifecycle.kv import Event
 from tests.test_faults_vllm import Flaky
 
@@ -123,8 +124,7 @@ PROFILE = settings.get_profile(
 )
 
 
-def prompt(family, length):
-    return [(family * 37 + i * 11) % 500 for i in range(length)]
+prompt = arithmetic_prompt  # one prompt family per seed
 
 
 @functools.cache

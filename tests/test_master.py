@@ -21,17 +21,14 @@ from connector.errors import (
     MasterNotRunningError,
     MasterStartError,
 )
-from connector.master import EmbeddedMaster, MasterPorts, MasterState
+from connector.master import (
+    EmbeddedMaster,
+    MasterPorts,
+    MasterState,
+    process_alive,
+)
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def fake_binary(tmp_path, body: str) -> Path:
@@ -58,10 +55,10 @@ class TestRealMaster:
             assert json.loads(resp.read())["service_ready"] is True
         assert MasterState.RUNNING is master.state
         pid = master.pid
-        assert alive(pid)
+        assert process_alive(pid)
 
         assert master.stop() == 0
-        assert not alive(pid)
+        assert not process_alive(pid)
         assert MasterState.STOPPED is master.state
         assert master.stop() is None  # idempotent
 
@@ -79,7 +76,7 @@ class TestRealMaster:
         master.kill()
         assert MasterState.KILLED is master.state
         assert not master.running
-        assert not alive(first)
+        assert not process_alive(first)
 
         master.restart()
         assert ports == master.ports
@@ -95,13 +92,13 @@ class TestRealMaster:
         def fail_inside() -> None:
             with master:
                 seen.append(master.pid)
-                assert alive(master.pid)
+                assert process_alive(master.pid)
                 msg = "boom"
                 raise RuntimeError(msg)
 
         with pytest.raises(RuntimeError, match="boom"):
             fail_inside()
-        assert not alive(seen[0])
+        assert not process_alive(seen[0])
 
     def test_port_race_retries_with_new_ports(
         self, master_binary, monkeypatch, caplog
@@ -132,7 +129,7 @@ class TestRealMaster:
                 assert len(picks) == 2
                 assert picks[1] == master.ports
                 assert len(master.pids) == 2
-                assert not alive(master.pids[0])
+                assert not process_alive(master.pids[0])
             finally:
                 master.stop()
                 busy.close()
@@ -166,9 +163,9 @@ class TestRealMaster:
         assert proc.returncode == 1, proc.stderr
         pid = int(proc.stdout.split()[0])
         deadline = time.monotonic() + 5
-        while alive(pid) and time.monotonic() < deadline:
+        while process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not alive(pid)
+        assert not process_alive(pid)
 
 
 class TestWithoutMaster:
@@ -209,7 +206,7 @@ class TestWithoutMaster:
         assert time.monotonic() - started < 5
         assert info.value.returncode is None
         assert "not ready" in info.value.reason
-        assert not any(alive(pid) for pid in master.pids)
+        assert not any(process_alive(pid) for pid in master.pids)
 
     def test_operations_need_a_started_master(self):
         master = EmbeddedMaster()

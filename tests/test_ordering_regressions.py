@@ -2,7 +2,7 @@
 
 Each test replays the ordering that triggered one bug (or a few that share
 it) inside vLLM 0.33's real `Scheduler` / `AsyncScheduler`
-(`tests/vllm_harness.py`), twice:
+(`harness/scheduler.py`), twice:
 
 - with a naive connector from `tests/reference_connectors.py` that has
   exactly that bug: the test expects the harness to catch it (vLLM's
@@ -73,9 +73,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from connector.metadata import JobKind
+from harness import Harness, HarnessError
 from tests import reference_connectors
 from tests.connector_helpers import prompt, store_extra
-from tests.vllm_harness import Harness, HarnessError
 
 pytestmark = pytest.mark.vllm
 

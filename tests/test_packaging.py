@@ -86,7 +86,9 @@ def test_wheel_metadata(wheel):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
     assert {"lifecycle/py.typed", "connector/py.typed"} <= names
-    assert not any(n.startswith(("tests/", "e2e/", "demo/")) for n in names)
+    assert not any(
+        n.startswith(("tests/", "e2e/", "demo/", "harness/")) for n in names
+    )
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from examples.pd_connector import PeerLink
+from harness import Harness
 from lifecycle.pd import ProducerEvent, ProducerState
 from tests.connector_helpers import prompt
-from tests.vllm_harness import Harness
 
 pytestmark = pytest.mark.vllm
 

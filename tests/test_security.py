@@ -157,7 +157,7 @@ class TestNamespaces:
     @pytest.fixture
     def make(self, mooncake_master, unique, harnesses):
         pytest.importorskip("vllm")
-        from tests.vllm_harness import Harness  # noqa: PLC0415
+        from harness import Harness  # noqa: PLC0415
 
         def _make(namespace, **kwargs):
             extra = store_extra(

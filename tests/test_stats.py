@@ -23,7 +23,7 @@ from connector.stats import (
     MetricName,
     StatsSource,
 )
-from connector.store import BatchResult, Op, Outcome, StoreStats
+from connector.store import BatchResult, Op, Outcome, StoreCounters
 from connector.vllm_connector import MooncakeLifecycleConnector
 from lifecycle import LifecycleMachine, Registry
 from lifecycle.kv import TABLE, Event
@@ -67,7 +67,7 @@ def lifecycle():
 
 def test_source_reports_what_happened_since_the_last_take(lifecycle):
     machine, registry = lifecycle
-    store = StoreStats()
+    store = StoreCounters()
     source = StatsSource(machine=machine, store=store)
     assert source.take() is None
     registry.get_or_create("r")
@@ -124,7 +124,7 @@ def test_the_worker_half_reports_its_own_machine_apart(lifecycle):
 
 
 def test_two_halves_sharing_a_client_never_count_a_call_twice():
-    store = StoreStats()
+    store = StoreCounters()
     scheduler, worker = StatsSource(store=store), StatsSource(store=store)
     record(store, Op.EXISTS, [Outcome.HIT])
     record(store, Op.PUT, [Outcome.STORED] * 3, nbytes=300)

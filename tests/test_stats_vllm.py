@@ -23,11 +23,11 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from connector.stats import LifecycleConnectorStats, MetricName
+from harness import Harness
 from lifecycle.kv import Event
 from lifecycle.trace import pair_key
 from tests.connector_helpers import CONNECTOR, prompt, run, side
 from tests.test_stats import registry_bound
-from tests.vllm_harness import Harness
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 

@@ -7,7 +7,7 @@ import torch
 
 from connector.errors import RegionError, RegistrationError
 from connector.keys import KeyScheme, Layout
-from connector.store import Op, Outcome, Regions
+from connector.store import BreakerState, Op, Outcome, Regions
 
 pytestmark = pytest.mark.mooncake
 
@@ -197,6 +197,7 @@ def test_stats_are_counted(store_client, kv_blocks, unique):
     assert misses - before[Op.GET].failures.get(Outcome.MISS, 0) == 1
 
 
-def test_healthy(store_client):
-    assert store_client.healthy()
+def test_fresh_client_is_open_with_breaker_closed(store_client):
+    assert not store_client.closed
+    assert store_client.breaker.state is BreakerState.CLOSED
     assert store_client.hostname.startswith("127.0.0.1:")

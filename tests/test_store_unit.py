@@ -243,7 +243,7 @@ class TestBreaker:
         assert list(result) == [Outcome.MASTER_UNREACHABLE] * 2
         assert result.short_circuited
         assert fake.calls == []
-        assert not client.healthy()
+        assert client.breaker.state is BreakerState.OPEN
         assert client.stats.breaker_trips == 1
 
     def test_rpc_failure_trips_then_probe_recovers(self, client, fake):

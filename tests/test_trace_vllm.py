@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from harness import Harness
 from lifecycle.kv import Event, State
 from lifecycle.trace import ILLEGAL, replay, replay_file, summarize
 from tests.connector_helpers import CONNECTOR, preempt_then_abort, side
-from tests.vllm_harness import Harness
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 

@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from harness import Harness, HarnessError
 from tests import reference_connectors
 from tests.connector_helpers import prompt
-from tests.vllm_harness import Harness, HarnessError
 
 pytestmark = pytest.mark.vllm
 

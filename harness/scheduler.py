@@ -72,8 +72,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal, Self, cast
 
+from harness.spy import shadow_method
+
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator, Sequence
+    from collections.abc import Callable, Iterable, Iterator, Sequence
 
     import torch
     from vllm.config import VllmConfig
@@ -503,19 +505,20 @@ class Harness:
 
     def _spy_on_scheduler_connector(self) -> None:
         """Count external hits as the scheduler hands them to the connector."""
-        connector = self.scheduler_connector
-        original = connector.update_state_after_alloc
+        hits = self.external_hits
 
-        def update_state_after_alloc(
-            request: Request, blocks: Any, num_external_tokens: int
-        ) -> None:
-            self.external_hits[request.request_id] += num_external_tokens
-            original(request, blocks, num_external_tokens)
+        def spy(original: Callable[..., None]) -> Callable[..., None]:
+            def update_state_after_alloc(
+                request: Request, blocks: Any, num_external_tokens: int
+            ) -> None:
+                hits[request.request_id] += num_external_tokens
+                original(request, blocks, num_external_tokens)
 
-        # NOTE(harness): an instance attribute shadows the method; the
-        # scheduler calls it through `self.connector`.
-        connector.update_state_after_alloc = (  # type: ignore[method-assign]
-            update_state_after_alloc
+            return update_state_after_alloc
+
+        # The scheduler calls it through `self.connector`.
+        shadow_method(
+            self.scheduler_connector, "update_state_after_alloc", spy
         )
 
     # ------------------------------------------------------------ accessors

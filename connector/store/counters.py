@@ -1,0 +1,111 @@
+"""Per-operation counters of a ``StoreClient`` (read by a metrics layer).
+
+``OpCounters`` counts one operation; ``StoreCounters`` holds one per
+``Op`` behind a lock.  They are raw counters of the store client, named
+apart from ``connector.stats`` (the vLLM ``KVConnectorStats`` that a
+metrics layer builds from them).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import (
+    Final,
+)
+
+import attrs
+
+from connector.store.batch import BatchResult
+from connector.store.codes import _SUCCESS, Op, Outcome
+
+_LATENCY_SAMPLES: Final = 1024
+
+
+@attrs.define(slots=True)
+class OpCounters:
+    """Counters of one operation since start (or the last reset).
+
+    Attributes:
+        ops: calls.
+        keys: keys over all calls.
+        bytes: bytes moved.
+        failures: failed keys by outcome (MISS counts as a failure of a
+            get and of exists; read ``failures[Outcome.MISS]`` for misses).
+        short_circuited: calls answered by the open breaker.
+        latencies_s: the last 1024 call latencies.
+    """
+
+    ops: int = 0
+    keys: int = 0
+    bytes: int = 0
+    failures: dict[Outcome, int] = attrs.Factory(dict)
+    short_circuited: int = 0
+    latencies_s: collections.deque[float] = attrs.Factory(
+        lambda: collections.deque(maxlen=_LATENCY_SAMPLES)
+    )
+
+    def copy(self) -> OpCounters:
+        """An independent copy."""
+        latencies: collections.deque[float] = collections.deque(
+            self.latencies_s, maxlen=_LATENCY_SAMPLES
+        )
+        return OpCounters(
+            self.ops,
+            self.keys,
+            self.bytes,
+            dict(self.failures),
+            self.short_circuited,
+            latencies,
+        )
+
+
+class StoreCounters:
+    """Thread-safe per-operation counters, read by a metrics layer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ops = {op: OpCounters() for op in Op}
+        self.breaker_trips = 0
+        self._recorded = False
+
+    @property
+    def recorded(self) -> bool:
+        """Whether a call was recorded since the last reset (lock-free)."""
+        return self._recorded
+
+    def record(self, result: BatchResult, failed: int) -> None:
+        """Account one call; ``failed`` = number of non-OK keys."""
+        with self._lock:
+            self._recorded = True
+            stats = self._ops[result.op]
+            stats.ops += 1
+            stats.keys += len(result.outcomes)
+            stats.bytes += result.nbytes
+            stats.latencies_s.append(result.elapsed_s)
+            if result.short_circuited:
+                stats.short_circuited += 1
+            if failed:
+                failures = stats.failures
+                for outcome in result.outcomes:
+                    if outcome not in _SUCCESS:
+                        failures[outcome] = failures.get(outcome, 0) + 1
+
+    def trip(self) -> None:
+        """Count one breaker trip."""
+        with self._lock:
+            self.breaker_trips += 1
+
+    def snapshot(self, *, reset: bool = False) -> dict[Op, OpCounters]:
+        """Copies of the counters; ``reset`` starts a new interval."""
+        with self._lock:
+            snap = {op: s.copy() for op, s in self._ops.items()}
+            if reset:
+                self._ops = {op: OpCounters() for op in Op}
+                self._recorded = False
+            return snap
+
+    def __getitem__(self, op: Op) -> OpCounters:
+        """A copy of one operation's counters."""
+        with self._lock:
+            return self._ops[op].copy()

@@ -1,0 +1,129 @@
+"""The Mooncake surface this client calls, and how it reaches a master.
+
+``MooncakeStore`` is the subset of ``MooncakeDistributedStore`` the
+client uses (a Protocol, so tests can pass a fake); ``_mooncake_store``
+imports the real one lazily (an optional, heavy import);
+``probe_tcp`` is the one TCP probe of a master's RPC port, used before
+a client sets up and by ``EmbeddedMaster.is_ready``.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Protocol,
+)
+
+from connector.errors import (
+    StoreUnavailable,
+)
+
+if TYPE_CHECKING:
+    from connector.config import StoreConfig
+
+
+# -- the Mooncake surface we use -------------------------------------------
+
+
+class MooncakeStore(Protocol):
+    """The subset of ``MooncakeDistributedStore`` this client calls."""
+
+    def setup(  # noqa: D102, PLR0917
+        self,
+        local_hostname: str,
+        metadata_server: str,
+        global_segment_size: int,
+        local_buffer_size: int,
+        protocol: str,
+        rdma_devices: str,
+        master_server_addr: str,
+        /,
+    ) -> int: ...
+
+    def get_hostname(self) -> str: ...  # noqa: D102
+
+    def register_buffer(self, buffer_ptr: int, size: int, /) -> int: ...  # noqa: D102
+
+    def unregister_buffer(self, buffer_ptr: int, /) -> int: ...  # noqa: D102
+
+    def batch_is_exist(self, keys: list[str], /) -> list[int]: ...  # noqa: D102
+
+    def batch_put_from(  # noqa: D102
+        self,
+        keys: list[str],
+        ptrs: list[int],
+        sizes: list[int],
+        config: Any,
+        /,
+    ) -> list[int]: ...
+
+    def batch_get_into(  # noqa: D102
+        self, keys: list[str], ptrs: list[int], sizes: list[int], /
+    ) -> list[int]: ...
+
+    def batch_put_from_multi_buffers(  # noqa: D102
+        self,
+        keys: list[str],
+        ptrs: list[list[int]],
+        sizes: list[list[int]],
+        config: Any,
+        /,
+    ) -> list[int]: ...
+
+    def batch_get_into_multi_buffers(  # noqa: D102
+        self,
+        keys: list[str],
+        ptrs: list[list[int]],
+        sizes: list[list[int]],
+        /,
+    ) -> list[int]: ...
+
+    def batch_remove(self, keys: list[str], force: bool, /) -> list[int]: ...  # noqa: D102, FBT001
+
+    def remove_all(self, force: bool, /) -> int: ...  # noqa: D102, FBT001
+
+    def health_check(self) -> int: ...  # noqa: D102
+
+    def close(self) -> int: ...  # noqa: D102
+
+
+def _mooncake_store() -> tuple[MooncakeStore, Any]:
+    """Create a real ``MooncakeDistributedStore`` and a ``ReplicateConfig``."""
+    from mooncake.store import (  # noqa: PLC0415 - optional, heavy import
+        MooncakeDistributedStore,
+        ReplicateConfig,
+    )
+
+    store: MooncakeStore = MooncakeDistributedStore()
+    return store, ReplicateConfig()
+
+
+def _local_address(host: str, port: int) -> str:
+    """The local IP address that routes to ``host``."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))
+            address: str = probe.getsockname()[0]
+            return address
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def probe_tcp(host: str, port: int, timeout_s: float) -> None:
+    """Open and close one TCP connection; raise ``OSError`` if refused."""
+    with socket.create_connection((host, port), timeout=timeout_s):
+        pass
+
+
+def _probe_master(config: StoreConfig) -> None:
+    """Fail fast if nothing accepts TCP connections at the master address."""
+    timeout = min(config.rpc_timeout_ms / 1000, 2.0)
+    try:
+        probe_tcp(config.master_host, config.master_port, timeout)
+    except OSError as exc:
+        reason = f"cannot connect to the master RPC port: {exc}"
+        raise StoreUnavailable(
+            config.master_server_address, None, reason
+        ) from exc

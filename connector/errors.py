@@ -1,13 +1,19 @@
 """Exceptions raised by the connector's store backend.
 
-Every exception carries the data that explains it as attributes, and its
-message names them, so a log line alone says what went wrong and where.
-All exceptions pickle (they cross ``spawn`` process boundaries in tests).
+Every exception is an attrs class: the data that explain it are its
+fields and its message names them, so a log line alone says what went
+wrong and where. They pickle by their fields, for free (exceptions cross
+``spawn`` process boundaries and vLLM's engine-core boundary).
+
+``attrs.define(auto_exc=True, slots=False)`` declares each: fields, an
+``__init__`` taking them in order, ``args`` holding them (so pickling
+rebuilds the exception), identity equality and hashing like any
+exception; ``__str__`` writes the message.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import attrs
 
 
 class ConnectorError(Exception):
@@ -17,6 +23,7 @@ class ConnectorError(Exception):
     """
 
 
+@attrs.define(auto_exc=True, slots=False)
 class ConfigError(ConnectorError, ValueError):
     """A configuration value is missing, has the wrong type or is out of range.
 
@@ -27,16 +34,15 @@ class ConfigError(ConnectorError, ValueError):
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, key: str, value: object, reason: str) -> None:
-        self.key = key
-        self.value = value
-        self.reason = reason
-        super().__init__(f"config key {key!r}: {reason} (got {value!r})")
+    key: str
+    value: object
+    reason: str
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.key, self.value, self.reason))
+    def __str__(self) -> str:
+        return f"config key {self.key!r}: {self.reason} (got {self.value!r})"
 
 
+@attrs.define(auto_exc=True, slots=False)
 class KeySchemeError(ConnectorError, ValueError):
     """A component of a store key is invalid (negative rank, empty hash, ...).
 
@@ -45,16 +51,15 @@ class KeySchemeError(ConnectorError, ValueError):
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, component: str, value: object, reason: str) -> None:
-        self.component = component
-        self.value = value
-        self.reason = reason
-        super().__init__(
-            f"key component {component!r}: {reason} (got {value!r})"
-        )
+    component: str
+    value: object
+    reason: str
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.component, self.value, self.reason))
+    def __str__(self) -> str:
+        return (
+            f"key component {self.component!r}: {self.reason} "
+            f"(got {self.value!r})"
+        )
 
 
 class MasterError(ConnectorError):
@@ -64,25 +69,25 @@ class MasterError(ConnectorError):
     """
 
 
+@attrs.define(auto_exc=True, slots=False)
 class MasterBinaryNotFoundError(MasterError, FileNotFoundError):
     """No ``mooncake_master`` executable was found in any of ``searched``.
 
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, searched: tuple[str, ...]) -> None:
-        self.searched = searched
-        where = ", ".join(searched) or "nowhere"
-        super().__init__(
+    searched: tuple[str, ...]
+
+    def __str__(self) -> str:
+        where = ", ".join(self.searched) or "nowhere"
+        return (
             "mooncake_master executable not found "
             f"(searched: {where}); install "
             "mooncake-transfer-engine-non-cuda or put it on PATH"
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.searched,))
 
-
+@attrs.define(auto_exc=True, slots=False)
 class MasterStartError(MasterError):
     """``mooncake_master`` did not become ready.
 
@@ -93,44 +98,31 @@ class MasterStartError(MasterError):
     .. versionadded:: 0.1.0
     """
 
-    def __init__(
-        self,
-        reason: str,
-        returncode: int | None,
-        attempts: int,
-        log_tail: tuple[str, ...],
-    ) -> None:
-        self.reason = reason
-        self.returncode = returncode
-        self.attempts = attempts
-        self.log_tail = log_tail
-        tail = " | ".join(log_tail[-5:]) or "no output"
-        super().__init__(
-            f"mooncake_master failed to start after {attempts} attempt(s): "
-            f"{reason} (returncode={returncode}; last output: {tail})"
-        )
+    reason: str
+    returncode: int | None
+    attempts: int
+    log_tail: tuple[str, ...]
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __str__(self) -> str:
+        tail = " | ".join(self.log_tail[-5:]) or "no output"
         return (
-            type(self),
-            (self.reason, self.returncode, self.attempts, self.log_tail),
+            f"mooncake_master failed to start after {self.attempts} "
+            f"attempt(s): {self.reason} (returncode={self.returncode}; "
+            f"last output: {tail})"
         )
 
 
+@attrs.define(auto_exc=True, slots=False)
 class MasterNotRunningError(MasterError):
     """An operation (``pause``, ``kill``, an address) needs a started master.
 
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, operation: str) -> None:
-        self.operation = operation
-        super().__init__(
-            f"{operation}: the embedded mooncake_master is not running"
-        )
+    operation: str
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.operation,))
+    def __str__(self) -> str:
+        return f"{self.operation}: the embedded mooncake_master is not running"
 
 
 class StoreError(ConnectorError):
@@ -143,6 +135,7 @@ class StoreError(ConnectorError):
     """
 
 
+@attrs.define(auto_exc=True, slots=False)
 class StoreUnavailable(StoreError):  # noqa: N818 - public API name
     """The store client could not be set up against the master at ``address``.
 
@@ -153,53 +146,50 @@ class StoreUnavailable(StoreError):  # noqa: N818 - public API name
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, address: str, code: int | None, reason: str) -> None:
-        self.address = address
-        self.code = code
-        self.reason = reason
-        super().__init__(
-            f"Mooncake master at {address} is unavailable: {reason} "
-            f"(code={code})"
+    address: str
+    code: int | None
+    reason: str
+
+    def __str__(self) -> str:
+        return (
+            f"Mooncake master at {self.address} is unavailable: "
+            f"{self.reason} (code={self.code})"
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.address, self.code, self.reason))
 
-
+@attrs.define(auto_exc=True, slots=False)
 class StoreClosedError(StoreError):
     """``operation`` was called on a ``StoreClient`` after ``close()``.
 
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, operation: str) -> None:
-        self.operation = operation
-        super().__init__(f"{operation}: the store client is closed")
+    operation: str
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.operation,))
+    def __str__(self) -> str:
+        return f"{self.operation}: the store client is closed"
 
 
+@attrs.define(auto_exc=True, slots=False)
 class RegistrationError(StoreError):
     """Registering ``nbytes`` at ``ptr`` for zero-copy transfers failed.
 
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, ptr: int, nbytes: int, code: int, reason: str) -> None:
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.code = code
-        self.reason = reason
-        super().__init__(
-            f"register_buffer(ptr={ptr:#x}, nbytes={nbytes}) failed: "
-            f"{reason} (code={code})"
+    ptr: int
+    nbytes: int
+    code: int
+    reason: str
+
+    def __str__(self) -> str:
+        return (
+            f"register_buffer(ptr={self.ptr:#x}, nbytes={self.nbytes}) "
+            f"failed: {self.reason} (code={self.code})"
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.ptr, self.nbytes, self.code, self.reason))
 
-
+@attrs.define(auto_exc=True, slots=False)
 class RegionError(StoreError, ValueError):
     """The memory regions passed to ``put``/``get`` do not fit the keys.
 
@@ -209,11 +199,9 @@ class RegionError(StoreError, ValueError):
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, index: int | None, reason: str) -> None:
-        self.index = index
-        self.reason = reason
-        where = "batch" if index is None else f"key #{index}"
-        super().__init__(f"invalid region for {where}: {reason}")
+    index: int | None
+    reason: str
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.index, self.reason))
+    def __str__(self) -> str:
+        where = "batch" if self.index is None else f"key #{self.index}"
+        return f"invalid region for {where}: {self.reason}"

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from lifecycle import render
 from lifecycle.table import Table
 
@@ -22,8 +24,14 @@ MAX_DIFF_LINES = 80
 DEFAULT_TABLE = "lifecycle.kv:TABLE"
 
 
+@attrs.define(auto_exc=True, slots=False)
 class TableNotFoundError(Exception):
-    """``--table`` does not name a `Table`."""
+    """``--table`` does not name a `Table`; `message` says why."""
+
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def load_table(spec: str) -> Table[Any, Any]:

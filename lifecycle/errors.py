@@ -1,13 +1,16 @@
 """Exceptions raised by `lifecycle`.
 
-Every exception carries the data that explains it as attributes, so callers
-and tests never parse messages.
+Every exception carries the data that explains it as attrs fields, so
+callers and tests never parse messages, and pickles by them for free
+(errors cross process boundaries, vLLM's engine core among them).
 """
 
 from __future__ import annotations
 
 import enum
 from typing import TYPE_CHECKING, Any
+
+import attrs
 
 if TYPE_CHECKING:
     from lifecycle.table import Row
@@ -22,7 +25,8 @@ class LifecycleError(Exception):
     """Base class of every error raised by `lifecycle`."""
 
 
-class IllegalTransition(LifecycleError):  # noqa: N818 - the spec's name
+@attrs.define(auto_exc=True, slots=False)
+class IllegalTransition(LifecycleError):  # noqa: N818 - names the fault, as h11's
     """An event has no row for the tracker's current state (strict mode).
 
     Attributes:
@@ -32,31 +36,32 @@ class IllegalTransition(LifecycleError):  # noqa: N818 - the spec's name
         epoch: The tracker's epoch, or None when the request is unknown.
     """
 
-    def __init__(
-        self,
-        state: enum.Enum | None,
-        event: enum.Enum,
-        req_id: str | None,
-        epoch: int | None = None,
-    ) -> None:
-        self.state = state
-        self.event = event
-        self.req_id = req_id
-        self.epoch = epoch
+    state: enum.Enum | None
+    event: enum.Enum
+    req_id: str | None
+    epoch: int | None = None
+
+    def __str__(self) -> str:
+        state = self.state
         where = state.name if state is not None else "an unknown request"
-        msg = (
-            f"`{_spelled(event)}` is not allowed in {where} (request {req_id})"
+        return (
+            f"`{_spelled(self.event)}` is not allowed in {where} "
+            f"(request {self.req_id})"
         )
-        super().__init__(msg)
 
 
+@attrs.define(auto_exc=True, slots=False)
 class UnknownRequest(IllegalTransition):
-    """An event names a request id that the registry does not track."""
+    """An event names a request id that the registry does not track.
 
-    def __init__(self, event: enum.Enum, req_id: str) -> None:
-        super().__init__(None, event, req_id)
+    Built from the event and the id alone; `state` and `epoch` are None.
+    """
+
+    state: enum.Enum | None = attrs.field(default=None, init=False)
+    epoch: int | None = attrs.field(default=None, init=False)
 
 
+@attrs.frozen
 class TableProblem:
     """One defect found while validating a transition table.
 
@@ -66,19 +71,15 @@ class TableProblem:
         rows: The offending rows, if the defect is about rows.
     """
 
-    __slots__ = ("detail", "kind", "rows")
-
-    def __init__(
-        self, kind: str, detail: str, rows: tuple[Row[Any, Any], ...] = ()
-    ) -> None:
-        self.kind = kind
-        self.detail = detail
-        self.rows = rows
+    kind: str
+    detail: str
+    rows: tuple[Row[Any, Any], ...] = ()
 
     def __repr__(self) -> str:
         return f"TableProblem({self.kind!r}, {self.detail!r})"
 
 
+@attrs.define(auto_exc=True, slots=False)
 class InvalidTable(LifecycleError):  # noqa: N818 - reads as a verdict
     """A transition table failed validation when it was built.
 
@@ -86,11 +87,14 @@ class InvalidTable(LifecycleError):  # noqa: N818 - reads as a verdict
         problems: Every defect found, not only the first.
     """
 
-    def __init__(self, problems: tuple[TableProblem, ...]) -> None:
-        self.problems = problems
-        lines = "\n".join(f"  - [{p.kind}] {p.detail}" for p in problems)
-        msg = f"invalid transition table ({len(problems)} problems):\n{lines}"
-        super().__init__(msg)
+    problems: tuple[TableProblem, ...]
+
+    def __str__(self) -> str:
+        lines = "\n".join(f"  - [{p.kind}] {p.detail}" for p in self.problems)
+        return (
+            f"invalid transition table ({len(self.problems)} problems):"
+            f"\n{lines}"
+        )
 
     @property
     def kinds(self) -> frozenset[str]:

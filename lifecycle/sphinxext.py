@@ -32,6 +32,7 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
+import attrs
 from docutils import nodes
 from docutils.parsers.rst import directives
 from sphinx import addnodes
@@ -57,6 +58,7 @@ FORMATS: Final = ("svg", "dot", "mermaid")
 _SVG_PROLOGUE: Final = re.compile(r"^.*?(?=<svg\b)", re.DOTALL)
 
 
+@attrs.define(auto_exc=True, slots=False)
 class TableReferenceError(ValueError):
     """A ``MODULE:NAME`` reference that does not name a `Table`.
 
@@ -65,10 +67,11 @@ class TableReferenceError(ValueError):
         reason: Why it could not be used.
     """
 
-    def __init__(self, reference: str, reason: str) -> None:
-        super().__init__(f"{reference!r}: {reason}")
-        self.reference = reference
-        self.reason = reason
+    reference: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.reference!r}: {self.reason}"
 
 
 def load_table(reference: str) -> tuple[Table[Any, Any], Path | None]:

@@ -37,6 +37,8 @@ from json.encoder import encode_basestring_ascii as _quote
 from pathlib import Path
 from typing import Any, BinaryIO, Final
 
+import attrs
+
 from lifecycle.errors import LifecycleError
 from lifecycle.machine import LifecycleMachine
 from lifecycle.table import Table, event_name
@@ -64,6 +66,7 @@ def _json_int(value: int | None) -> str:
     return "null" if value is None else str(int(value))
 
 
+@attrs.define(auto_exc=True, slots=False)
 class TraceError(LifecycleError):
     """A trace could not be opened or read.
 
@@ -72,10 +75,11 @@ class TraceError(LifecycleError):
         reason: What went wrong.
     """
 
-    def __init__(self, path: str, reason: str) -> None:
-        self.path = path
-        self.reason = reason
-        super().__init__(f"trace {path}: {reason}")
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"trace {self.path}: {self.reason}"
 
 
 _HASH_SPACE: Final = 1 << 64
@@ -92,6 +96,7 @@ def hash_req_id(req_id: str, key: bytes) -> str:
     return "h:" + _digest(req_id, key).hex()
 
 
+@attrs.define(auto_exc=True, slots=False)
 class TableMismatchError(TraceError):
     """A trace was recorded with another table than the one replaying it.
 
@@ -100,13 +105,14 @@ class TableMismatchError(TraceError):
         found: The trace's fingerprint.
     """
 
-    def __init__(self, path: str, expected: str, found: str) -> None:
-        self.expected = expected
-        self.found = found
-        super().__init__(
-            path,
-            f"recorded with table fingerprint {found}, replaying with "
-            f"{expected}: pass the right table (--table MODULE:NAME)",
+    expected: str
+    found: str
+    reason: str = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.reason = (
+            f"recorded with table fingerprint {self.found}, replaying with "
+            f"{self.expected}: pass the right table (--table MODULE:NAME)"
         )
 
 

@@ -86,7 +86,7 @@ def _store_keys(args: argparse.Namespace) -> dict[str, Any]:
 
 def _validate(config: dict[str, Any]) -> None:
     """Fail before serving if the printed config would not load."""
-    from connector.config import StoreConfig  # noqa: PLC0415 - light
+    from connector.config import StoreConfig
 
     StoreConfig.from_extra_config(config["kv_connector_extra_config"])
 
@@ -112,8 +112,8 @@ class _Stop:
 
 
 def _master(args: argparse.Namespace) -> int:
-    from connector.errors import ConfigError, MasterError  # noqa: PLC0415
-    from connector.master import EmbeddedMaster  # noqa: PLC0415
+    from connector.errors import ConfigError, MasterError
+    from connector.master import EmbeddedMaster
 
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -265,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in LIFECYCLE_COMMANDS:
-        from lifecycle.__main__ import main as lifecycle_main  # noqa: PLC0415
+        from lifecycle.__main__ import main as lifecycle_main
 
         return lifecycle_main(args_list)
     args = build_parser().parse_args(args_list)

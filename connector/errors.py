@@ -136,7 +136,7 @@ class StoreError(ConnectorError):
 
 
 @attrs.define(auto_exc=True, slots=False)
-class StoreUnavailable(StoreError):  # noqa: N818 - public API name
+class StoreUnavailable(StoreError):
     """The store client could not be set up against the master at ``address``.
 
     ``code`` is Mooncake's return code (``None`` when the failure came

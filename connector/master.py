@@ -200,7 +200,7 @@ def _stop_process(
         return proc.returncode
     with contextlib.suppress(ProcessLookupError):
         proc.send_signal(signal.SIGTERM)
-        # NOTE(store): a SIGSTOPped process only acts on SIGTERM once
+        # A SIGSTOPped process only acts on SIGTERM once
         # continued, so always continue it.
         proc.send_signal(signal.SIGCONT)
     try:
@@ -444,7 +444,7 @@ class EmbeddedMaster:
                 try:
                     self._spawn_and_wait(attempt)
                 except MasterStartError:
-                    # NOTE(store): the old process's sockets may linger for
+                    # The old process's sockets may linger for
                     # a moment; the ports are ours, so keep trying them.
                     if time.monotonic() >= deadline:
                         raise

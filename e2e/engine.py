@@ -354,7 +354,7 @@ class EngineProcess:
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join()
-            # NOTE(e2e): a killed child leaves vLLM's EngineCore and worker
+            # A killed child leaves vLLM's EngineCore and worker
             # running (seen in mp mode); they share the child's group.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._proc.pid, signal.SIGKILL)

@@ -209,7 +209,7 @@ class ObservedLifecycleConnector(MooncakeLifecycleConnector):
         if worker is None:
             return
         dtype = next(iter(kv_caches.values())).dtype
-        # NOTE(e2e): test-only fault hook, so it reaches into the worker.
+        # Test-only fault hook, so it reaches into the worker.
         self._counting = CountingStore(
             worker._store,  # noqa: SLF001
             dtype,

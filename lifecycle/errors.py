@@ -26,7 +26,7 @@ class LifecycleError(Exception):
 
 
 @attrs.define(auto_exc=True, slots=False)
-class IllegalTransition(LifecycleError):  # noqa: N818 - names the fault, as h11's
+class IllegalTransition(LifecycleError):
     """An event has no row for the tracker's current state (strict mode).
 
     Attributes:
@@ -80,7 +80,7 @@ class TableProblem:
 
 
 @attrs.define(auto_exc=True, slots=False)
-class InvalidTable(LifecycleError):  # noqa: N818 - reads as a verdict
+class InvalidTable(LifecycleError):
     """A transition table failed validation when it was built.
 
     Attributes:

@@ -51,7 +51,7 @@ RESET     The connector has cleared the tracker for re-admission: after a
           or frees everything and looks the request up again).  Lookups
           and allocations accumulate until vLLM schedules it again, and a
           resume *replaces* the block table (vLLM #46595, LMCache#2069).
-DRAINING  Added for invariant 3 of the reference (vLLM #50984, #43226,
+DRAINING  Exactly one receive completion per load (vLLM #50984, #43226,
           local-inference-lab/vllm#191): vLLM finished a request while its
           KV was still arriving; it keeps the blocks until exactly one
           receive completion is reported, even on failure, so the tracker

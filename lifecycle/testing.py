@@ -232,14 +232,14 @@ def machine_mismatches(
 
 def pytest_cases(table: Table[Any, Any]) -> list[Any]:
     """`matrix` as ``pytest.param`` objects with readable ids."""
-    import pytest  # noqa: PLC0415 - test-time dependency only
+    import pytest
 
     return [pytest.param(c, id=c.id) for c in matrix(table)]
 
 
 def event_sequences(table: Table[Any, Any], max_size: int = 40) -> Any:
     """A hypothesis strategy of event lists (any order, any length)."""
-    from hypothesis import strategies as st  # noqa: PLC0415
+    from hypothesis import strategies as st
 
     return st.lists(st.sampled_from(list(table.events)), max_size=max_size)
 
@@ -263,8 +263,8 @@ def table_tests(  # noqa: C901 - one class of small tests
     path matches the stock `transitions` trigger on `examples` random event
     sequences (hypothesis); a registry drops trackers at terminal states.
     """
-    import pytest  # noqa: PLC0415 - test-time dependency only
-    from hypothesis import given, settings  # noqa: PLC0415
+    import pytest
+    from hypothesis import given, settings
 
     class GeneratedTableTests:
         @pytest.mark.parametrize("case", pytest_cases(table))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-# NOTE(store): Mooncake reads MC_LOG_LEVEL at the first setup() in the
+# Mooncake reads MC_LOG_LEVEL at the first setup() in the
 # process; set it before any client exists.
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 

@@ -106,7 +106,7 @@ settings.register_profile(
     stateful_step_count=40,
     deadline=None,
     derandomize=True,
-    # NOTE(reliab): shrinking a stateful run costs minutes; CI reports the
+    # Shrinking a stateful run costs minutes; CI reports the
     # unshrunk (derandomized, so reproducible) run, `make fuzz` shrinks.
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow],

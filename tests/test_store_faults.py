@@ -76,7 +76,7 @@ def test_killed_master_then_restart(fault_env, kv_blocks):
     hang, and recovery after a restart on the same ports (keys are gone).
     """
     master, client, src, keys = fault_env
-    # NOTE(store): registering memory needs the metadata server, which
+    # Registering memory needs the metadata server, which
     # lives in the master: allocate destinations before the fault.
     out = kv_blocks(client, 8, BLOCK)
     scratch = kv_blocks(client, 8, BLOCK)

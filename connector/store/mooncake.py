@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 class MooncakeStore(Protocol):
     """The subset of ``MooncakeDistributedStore`` this client calls."""
 
-    def setup(  # noqa: D102, PLR0917
+    def setup(
         self,
         local_hostname: str,
         metadata_server: str,
@@ -42,15 +42,15 @@ class MooncakeStore(Protocol):
         /,
     ) -> int: ...
 
-    def get_hostname(self) -> str: ...  # noqa: D102
+    def get_hostname(self) -> str: ...
 
-    def register_buffer(self, buffer_ptr: int, size: int, /) -> int: ...  # noqa: D102
+    def register_buffer(self, buffer_ptr: int, size: int, /) -> int: ...
 
-    def unregister_buffer(self, buffer_ptr: int, /) -> int: ...  # noqa: D102
+    def unregister_buffer(self, buffer_ptr: int, /) -> int: ...
 
-    def batch_is_exist(self, keys: list[str], /) -> list[int]: ...  # noqa: D102
+    def batch_is_exist(self, keys: list[str], /) -> list[int]: ...
 
-    def batch_put_from(  # noqa: D102
+    def batch_put_from(
         self,
         keys: list[str],
         ptrs: list[int],
@@ -59,11 +59,11 @@ class MooncakeStore(Protocol):
         /,
     ) -> list[int]: ...
 
-    def batch_get_into(  # noqa: D102
+    def batch_get_into(
         self, keys: list[str], ptrs: list[int], sizes: list[int], /
     ) -> list[int]: ...
 
-    def batch_put_from_multi_buffers(  # noqa: D102
+    def batch_put_from_multi_buffers(
         self,
         keys: list[str],
         ptrs: list[list[int]],
@@ -72,7 +72,7 @@ class MooncakeStore(Protocol):
         /,
     ) -> list[int]: ...
 
-    def batch_get_into_multi_buffers(  # noqa: D102
+    def batch_get_into_multi_buffers(
         self,
         keys: list[str],
         ptrs: list[list[int]],
@@ -80,18 +80,18 @@ class MooncakeStore(Protocol):
         /,
     ) -> list[int]: ...
 
-    def batch_remove(self, keys: list[str], force: bool, /) -> list[int]: ...  # noqa: D102, FBT001
+    def batch_remove(self, keys: list[str], force: bool, /) -> list[int]: ...
 
-    def remove_all(self, force: bool, /) -> int: ...  # noqa: D102, FBT001
+    def remove_all(self, force: bool, /) -> int: ...
 
-    def health_check(self) -> int: ...  # noqa: D102
+    def health_check(self) -> int: ...
 
-    def close(self) -> int: ...  # noqa: D102
+    def close(self) -> int: ...
 
 
 def _mooncake_store() -> tuple[MooncakeStore, Any]:
     """Create a real ``MooncakeDistributedStore`` and a ``ReplicateConfig``."""
-    from mooncake.store import (  # noqa: PLC0415 - optional, heavy import
+    from mooncake.store import (
         MooncakeDistributedStore,
         ReplicateConfig,
     )

@@ -217,3 +217,30 @@ class RegionError(StoreError, ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.index, self.reason))
+
+
+class UnsupportedKVGroups(ConnectorError, ValueError):  # noqa: N818 - API name
+    """The model's KV cache groups include a kind the connector cannot serve.
+
+    Raised at start-up (the connector's construction), never mid-serving:
+    ``groups`` names every group as ``"<index>:<kind>"`` (e.g.
+    ``("0:full_attention", "1:mamba")``), ``supported`` lists the kinds
+    the connector saves and loads, and ``reason`` says which group failed.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self, groups: tuple[str, ...], supported: str, reason: str
+    ) -> None:
+        self.groups = groups
+        self.supported = supported
+        self.reason = reason
+        super().__init__(
+            f"kv-lifecycle cannot serve this model's KV cache groups "
+            f"({', '.join(groups)}): {reason}; supported group kinds: "
+            f"{supported}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.groups, self.supported, self.reason))

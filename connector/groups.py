@@ -36,7 +36,8 @@ only at block-aligned checkpoints of its own choosing; serving any other
 position would restore wrong state), chunked-local, cross, sink or
 circular-buffer attention, sliding windows with retained extra tokens,
 groups that opt out of prefix caching, and groups of different block
-sizes (their block hashes would not line up).
+sizes or whose block size is not the block-hash size (their block hashes
+would not line up).
 
 No vLLM import: specs are recognised by class name.
 """
@@ -194,8 +195,12 @@ class KVGroups:
                 )
             )
         sizes = {g.block_size for g in groups}
+        hashed = getattr(kv_cache_config, "hash_block_size", None)
         if len(sizes) > 1:
             why = f"block sizes differ ({sorted(sizes)})"
+            raise UnsupportedKVGroups(kinds, SUPPORTED, why)
+        if len(groups) > 1 and hashed and hashed not in sizes:
+            why = f"block hashes cover {hashed} tokens, blocks {sizes.pop()}"
             raise UnsupportedKVGroups(kinds, SUPPORTED, why)
         return cls(tuple(groups))
 

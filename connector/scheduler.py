@@ -5,9 +5,9 @@ events, and returns what the events decided.  The registry of trackers is
 the only per-request map; the only other table is of open transfer jobs,
 keyed by job id (`connector.jobs`), which outlive their request on
 purpose: a save pins its blocks until every rank has read them (vLLM
-#52360).  `request_finished` (and `request_finished_all_groups`, its
-hybrid-model twin) never delays freeing, so there is never a send
-completion to owe (invariant 2).
+#52360).  `request_finished` (vLLM's `request_finished_all_groups` of a
+hybrid model lands here too) never delays freeing, so there is never a
+send completion to owe (invariant 2).
 
 Hybrid models: a tracker holds one block table per KV cache group; a load
 or a save is one job over (group, block) pairs (`connector.groups`).
@@ -339,17 +339,6 @@ class SchedulerSide:
             request.request_id, Event.ABORT if abort else Event.FINISH
         )
         return False, None
-
-    def request_finished_all_groups(
-        self, request: Any, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        """`request_finished` of a hybrid model: one call for all groups.
-
-        The same guarantees: accepted in every state, never delays
-        freeing, exactly one finish (or abort) event per request.
-        """
-        del block_ids
-        return self.request_finished(request, [])
 
     def update_connector_output(self, output: Any) -> None:
         """Settle finished jobs; report only receive completions vLLM expects.

@@ -360,11 +360,12 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """Called once when vLLM finishes a request of a hybrid model.
 
-        The same contract as `request_finished`: any state, never delays
-        freeing, one finish per request.
+        The same contract as `request_finished`, which it calls (so a
+        subclass hooking `request_finished` sees every finish): any state,
+        never delays freeing, one finish per request.
         """
-        return self.scheduler_side.request_finished_all_groups(
-            request, block_ids
+        return self.request_finished(
+            request, list(block_ids[0]) if block_ids else []
         )
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -240,17 +240,27 @@ def test_hybrid_finish_all_groups_called_once(make, model_runner):
     once per request, in any state; it never delays freeing."""
     h = make(num_blocks=20, model_runner=model_runner)
     conn = h.scheduler_connector
-    calls = []
-    real = conn.request_finished_all_groups
+    calls, outside = [], []
+    real_all = conn.request_finished_all_groups
+    real_one = conn.request_finished
 
     def spy(request, block_ids):
         calls.append((request.request_id, len(block_ids)))
-        result = real(request, block_ids)
+        conn.inside = True
+        try:
+            result = real_all(request, block_ids)
+        finally:
+            conn.inside = False
         assert result == (False, None)
         return result
 
+    def one(request, block_ids):
+        if not getattr(conn, "inside", False):
+            outside.append(request.request_id)  # vLLM must not call it
+        return real_one(request, block_ids)
+
     conn.request_finished_all_groups = spy
-    conn.request_finished = None  # vLLM must not call it
+    conn.request_finished = one
     for i in range(3):
         h.add_request(f"r{i}", prompt(20 + i, 60), max_tokens=30)
     for _ in range(3):
@@ -258,6 +268,7 @@ def test_hybrid_finish_all_groups_called_once(make, model_runner):
     h.abort("r1")
     run(h)
     assert sorted(calls) == [("r0", 2), ("r1", 2), ("r2", 2)]
+    assert outside == []
     assert_clean(h)
 
 

@@ -47,6 +47,44 @@ class BatchLookup(Protocol):
         """Leading stored blocks of each prefix, in one store call."""
 
 
+class HitLookup(Protocol):
+    """Answers how much of a prefix the store holds."""
+
+    def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of `block_hashes` are stored."""
+
+
+@attrs.frozen
+class _OneByOne:
+    """A `BatchLookup` over a lookup that only answers one prefix."""
+
+    lookup: HitLookup
+
+    def hit_blocks_many(
+        self, prefixes: Sequence[Sequence[bytes]]
+    ) -> list[int]:
+        return [self.lookup.hit_blocks(p) for p in prefixes]
+
+
+@attrs.frozen
+class _NoLookup:
+    """Answers every prefix with a miss (after the half was dropped)."""
+
+    def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        del block_hashes
+        return 0
+
+
+NO_LOOKUP: Final = _NoLookup()
+
+
+def batching(lookup: Any) -> BatchLookup:
+    """`lookup` itself if it answers many prefixes at once, else a wrapper."""
+    if hasattr(lookup, "hit_blocks_many"):
+        return lookup  # type: ignore[no-any-return]
+    return _OneByOne(lookup)
+
+
 @attrs.define(slots=True, eq=False)
 class PendingLookup:
     """One request's lookup, from `start` until the scheduler takes it.

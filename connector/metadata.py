@@ -38,6 +38,9 @@ class TransferJob:
         finished: vLLM finished the request before this load was issued
             (it keeps the blocks until the receive completion): the
             worker drains the load instead of keeping a tracker for it.
+        group_ids: The KV cache group of each block (hybrid models: a
+            job moves (group, block) pairs); empty means every block is
+            in group 0.
     """
 
     job_id: int
@@ -48,6 +51,11 @@ class TransferJob:
     block_hashes: tuple[bytes, ...]
     pinned: bool = False
     finished: bool = False
+    group_ids: tuple[int, ...] = ()
+
+    def groups(self) -> tuple[int, ...]:
+        """The group of each block (all 0 for a single-group job)."""
+        return self.group_ids or (0,) * len(self.block_ids)
 
 
 @attrs.frozen

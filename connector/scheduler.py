@@ -3,11 +3,14 @@
 Each vLLM hook looks up the request's tracker, fires one or a few lifecycle
 events, and returns what the events decided.  The registry of trackers is
 the only per-request map; the only other table is of open transfer jobs,
-keyed by job id, which outlive their request on purpose: a save pins its
-blocks in vLLM's block pool until every rank has finished reading them, so
-neither preemption nor completion can hand those blocks to another request
-while the store still reads them (vLLM #52360).  `request_finished` never
-delays freeing, so there is never a send completion to owe (invariant 2).
+keyed by job id (`connector.jobs`), which outlive their request on
+purpose: a save pins its blocks until every rank has read them (vLLM
+#52360).  `request_finished` (vLLM's `request_finished_all_groups` of a
+hybrid model lands here too) never delays freeing, so there is never a
+send completion to owe (invariant 2).
+
+Hybrid models: a tracker holds one block table per KV cache group; a load
+or a save is one job over (group, block) pairs (`connector.groups`).
 
 Admission lookups never run on the scheduler thread (`connector.lookup`):
 the first `get_num_new_matched_tokens` of a prefix answers None ("cannot
@@ -28,13 +31,21 @@ import collections
 import enum
 import logging
 import weakref
-from collections.abc import Sequence
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import attrs
 
 from connector.failed_keys import FailedKeys
-from connector.lookup import AsyncLookups, BatchLookup, PendingLookup
+from connector.groups import KVGroups
+from connector.jobs import BlockPool, JobTable, failed_hashes
+from connector.lookup import (
+    NO_LOOKUP,
+    AsyncLookups,
+    BatchLookup,
+    HitLookup,
+    PendingLookup,
+    batching,
+)
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from lifecycle import LifecycleMachine, Registry, define_tracker
 from lifecycle.kv import TABLE, Event, KVMachine, KVTracker, State
@@ -72,55 +83,6 @@ class Role(enum.Enum):
         return self is not Role.CONSUMER
 
 
-class HitLookup(Protocol):
-    """Answers how much of a prefix the store holds."""
-
-    def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of `block_hashes` are stored."""
-
-
-@attrs.frozen
-class _OneByOne:
-    """A `BatchLookup` over a lookup that only answers one prefix."""
-
-    lookup: HitLookup
-
-    def hit_blocks_many(
-        self, prefixes: Sequence[Sequence[bytes]]
-    ) -> list[int]:
-        return [self.lookup.hit_blocks(p) for p in prefixes]
-
-
-@attrs.frozen
-class _NoLookup:
-    """Answers every prefix with a miss (after the half was dropped)."""
-
-    def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
-        del block_hashes
-        return 0
-
-
-_NO_LOOKUP: Final = _NoLookup()
-
-
-def _batching(lookup: Any) -> BatchLookup:
-    if hasattr(lookup, "hit_blocks_many"):
-        return lookup  # type: ignore[no-any-return]
-    return _OneByOne(lookup)
-
-
-class BlockPool(Protocol):
-    """The part of vLLM's `BlockPool` used to pin blocks."""
-
-    blocks: Sequence[Any]
-
-    def touch(self, blocks: Sequence[Any]) -> None:
-        """Take one reference on each block."""
-
-    def free_blocks(self, ordered_blocks: Sequence[Any]) -> None:
-        """Drop one reference on each block."""
-
-
 @define_tracker
 class RequestTracker(KVTracker):
     """A request's tracker plus what the scheduler half needs.
@@ -150,24 +112,6 @@ class RequestTracker(KVTracker):
     load_failures: int = 0
 
 
-@attrs.define(slots=True, eq=False)
-class _OpenJob:
-    job: TransferJob
-    pinned: list[Any]
-    ok: int = 0
-    failed: int = 0
-    invalid: set[int] = attrs.Factory(set)
-
-
-def _failed_hashes(job: TransferJob, invalid: set[int]) -> list[bytes]:
-    """The hashes of a load's blocks that vLLM was told failed."""
-    return [
-        h
-        for b, h in zip(job.block_ids, job.block_hashes, strict=True)
-        if b in invalid
-    ]
-
-
 def _status_name(request: Any) -> str:
     status = getattr(request, "status", None)
     return str(getattr(status, "name", status))
@@ -190,6 +134,8 @@ class SchedulerSide:
             `lookups.run_pending()` is called, for deterministic tests).
         failed_keys: Memory of blocks whose load failed (peer death):
             lookups stop short of them until the master forgets them.
+        groups: The model's KV cache groups (default: one full-attention
+            group of `block_size`).
     """
 
     def __init__(
@@ -204,6 +150,7 @@ class SchedulerSide:
         max_pending: int = MAX_PENDING_LOOKUPS,
         threaded_lookups: bool = True,
         failed_keys: FailedKeys | None = None,
+        groups: KVGroups | None = None,
     ) -> None:
         if block_size <= 0:
             msg = f"block_size must be positive, got {block_size}"
@@ -211,6 +158,7 @@ class SchedulerSide:
         self.block_size = block_size
         self.role = role
         self.world_size = world_size
+        self.groups = groups or KVGroups.single(block_size)
         self.machine: KVMachine = machine or LifecycleMachine(TABLE)
         self.registry = Registry(self.machine, RequestTracker)
         self._lookup = lookup
@@ -220,8 +168,8 @@ class SchedulerSide:
             # Read at every batch (tests swap `_lookup`); weakly, so the
             # lookup thread never keeps a dropped scheduler half alive.
             me = side()
-            found = me._lookup if me is not None else _NO_LOOKUP  # noqa: SLF001
-            return _batching(found)
+            found = me._lookup if me is not None else NO_LOOKUP  # noqa: SLF001
+            return batching(found)
 
         self.lookups = AsyncLookups(
             answering,
@@ -237,9 +185,7 @@ class SchedulerSide:
         self._short: dict[str, RequestTracker] = {}
         self.lookup_counts: collections.Counter[str] = collections.Counter()
         self.failed_keys = failed_keys or FailedKeys()
-        self._pool: BlockPool | None = None
-        self._open: dict[int, _OpenJob] = {}
-        self._next_job = 0
+        self._open = self.jobs = JobTable(world_size)
         self._step = 0
         self._loads_to_issue: list[RequestTracker] = []
         self.unexpected_reports = 0
@@ -248,7 +194,7 @@ class SchedulerSide:
 
     def bind_block_pool(self, pool: BlockPool) -> None:
         """Let saves pin their blocks (vLLM >= 0.22)."""
-        self._pool = pool
+        self._open.pool = pool
 
     # -- hooks ----------------------------------------------------------------
 
@@ -298,7 +244,7 @@ class SchedulerSide:
                 self._mark_stored_prefix(tracker)
             return
         if self.registry.fire_on(tracker, Event.ALLOC_EXTERNAL):
-            tracker.block_ids = list(blocks.get_block_ids()[0])
+            self._set_tables(tracker, blocks.get_block_ids())
             tracker.num_external_tokens = num_external_tokens
             self._mark_stored_prefix(tracker)
             self._loads_to_issue.append(tracker)
@@ -328,7 +274,7 @@ class SchedulerSide:
             if tracker.state is State.RESET:
                 # Model runner v2 sends a resumed request as a new one.
                 self.registry.fire_on(tracker, Event.RESUME)
-            tracker.block_ids = list(new.block_ids[0])
+            self._set_tables(tracker, new.block_ids)
             done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._maybe_save(tracker, done, jobs)
         self._cached_reqs(so.scheduled_cached_reqs, scheduled, jobs)
@@ -362,13 +308,17 @@ class SchedulerSide:
             if resumed and req_id in resumed:
                 # A resume replaces the block table (vLLM #46595).
                 self.registry.fire_on(tracker, Event.RESUME)
-                tracker.block_ids = list(new_ids[0]) if new_ids else []
+                self._set_tables(tracker, new_ids or ())
             elif tracker.num_saved_tokens + bs > tracker.num_prompt_tokens:
                 # Prompt saved (decode): no save is left to issue, so the
                 # table is not needed until a resume replaces it.
                 continue
             elif new_ids:
                 tracker.block_ids.extend(new_ids[0])
+                for table, ids in zip(
+                    tracker.group_block_ids, new_ids[1:], strict=False
+                ):
+                    table.extend(ids)
             if tracker.num_saved_tokens + bs > tracker.num_prompt_tokens:
                 continue  # prompt saved: `_maybe_save` would no-op
             done = computed + scheduled.get(req_id, 0)
@@ -401,16 +351,21 @@ class SchedulerSide:
         report = getattr(output, "kv_connector_worker_meta", None)
         results = getattr(report, "results", ()) if report else ()
         invalid = frozenset(getattr(output, "invalid_block_ids", None) or ())
+        failed = set(getattr(output, "failed_recving", None) or ())
         settled: set[str] = set()
         for result in results:
             open_job = self._open.get(result.job_id)
-            if open_job is not None:  # ranks may report in different steps
+            if open_job is None:
+                self.unexpected_reports += 1
+            else:  # ranks may report in different steps
                 open_job.invalid |= invalid
-            job = self._settle(result.job_id, result.ok, result.failed)
+                if open_job.job.req_id in failed:  # hybrid: whole load
+                    open_job.invalid.update(open_job.job.block_ids)
+            job = self._open.settle(result.job_id, result.ok, result.failed)
             if open_job and job and job[0].kind is JobKind.LOAD:
                 self.failed_keys.loaded(
                     job[0].block_hashes,
-                    _failed_hashes(job[0], open_job.invalid),
+                    failed_hashes(job[0], open_job.invalid),
                 )
             if job is not None and self._finish_job(job):
                 settled.add(job[0].req_id)
@@ -423,10 +378,12 @@ class SchedulerSide:
             )
         output.finished_recving = settled or None
         output.finished_sending = None
+        if failed:
+            output.failed_recving = failed & settled
 
     def has_pending_push_work(self) -> bool:
         """Whether saves still pin blocks: vLLM keeps stepping until not."""
-        return any(o.job.kind is JobKind.SAVE for o in self._open.values())
+        return self._open.has_saves()
 
     def wait_for_lookups(self, timeout_s: float) -> bool:
         """Block until dispatched lookups ran (tests and harnesses only)."""
@@ -660,27 +617,25 @@ class SchedulerSide:
                 preempted.append((req_id, tracker.epoch))
         return preempted
 
+    def _set_tables(self, tracker: RequestTracker, tables: Any) -> None:
+        """Replace the tracker's block tables (one per KV cache group)."""
+        tracker.block_ids = list(tables[0]) if tables else []
+        tracker.group_block_ids = [list(t) for t in tables[1:]]
+
     def _new_job(
-        self,
-        kind: JobKind,
-        tracker: RequestTracker,
-        first: int,
-        last: int,
-        *,
-        pinned: list[Any] | None = None,
+        self, kind: JobKind, tracker: RequestTracker, first: int, last: int
     ) -> TransferJob:
-        job = TransferJob(
-            job_id=self._next_job,
-            kind=kind,
-            req_id=tracker.req_id,
-            epoch=tracker.epoch,
-            block_ids=tuple(tracker.block_ids[first:last]),
-            block_hashes=tuple(tracker.block_hashes[first:last]),
-            pinned=bool(pinned),
+        """A job over every group's blocks of ``[first, last)``."""
+        tables = [tracker.block_ids, *tracker.group_block_ids]
+        job = self._open.issue(
+            kind,
+            tracker.req_id,
+            tracker.epoch,
+            self.groups.pairs(tables, first, last),
+            tracker.block_hashes,
+            pin=kind is JobKind.SAVE,
             finished=tracker.state is State.DRAINING,
         )
-        self._next_job += 1
-        self._open[job.job_id] = _OpenJob(job, pinned or [])
         tracker.pending_jobs.add(job.job_id)
         return job
 
@@ -712,33 +667,8 @@ class SchedulerSide:
             return
         if not self.registry.fire_on(tracker, Event.SAVE_ISSUED):
             return
-        pinned: list[Any] = []
-        if self._pool is not None:
-            pinned = [
-                self._pool.blocks[b] for b in tracker.block_ids[first:last]
-            ]
-            self._pool.touch(pinned)
-        jobs.append(
-            self._new_job(JobKind.SAVE, tracker, first, last, pinned=pinned)
-        )
+        jobs.append(self._new_job(JobKind.SAVE, tracker, first, last))
         tracker.num_saved_tokens = last * bs
-
-    def _settle(
-        self, job_id: int, ok: int, failed: int
-    ) -> tuple[TransferJob, bool] | None:
-        open_job = self._open.get(job_id)
-        if open_job is None:
-            self.unexpected_reports += 1
-            log.warning("report for unknown transfer job %d", job_id)
-            return None
-        open_job.ok += ok
-        open_job.failed += failed
-        if open_job.ok + open_job.failed < self.world_size:
-            return None
-        del self._open[job_id]
-        if open_job.pinned and self._pool is not None:
-            self._pool.free_blocks(open_job.pinned)
-        return open_job.job, open_job.failed == 0
 
     def _finish_job(self, settled: tuple[TransferJob, bool]) -> bool:
         """Fire the job's completion; True if it settles a receive."""

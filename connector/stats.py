@@ -19,7 +19,14 @@ and lists, so it survives pickling and msgpack::
      "store": {"get": {"ops": 3, "keys": 12, "bytes": 3145728,
                        "short_circuited": 0, "failures": {"MISS": 1},
                        "latencies_s": [0.0012, ...]}, ...},
-     "breaker_trips": 0}
+     "breaker_trips": 0,
+     "groups": {"g0": {"hit_blocks": 4, "load_blocks": 4,    # per KV cache
+                       "load_bytes": 262144, "save_blocks": 8,  # group
+                       "save_bytes": 524288}, "g1": {...}}}
+
+``groups`` counts, per KV cache group (`connector.groups`), the blocks the
+scheduler half issued loads for (store hits) and the blocks and bytes the
+worker half loaded and saved.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from lifecycle.trace import pair_key
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from prometheus_client import Counter, Histogram
 
     from connector.store import OpCounters, StoreCounters
@@ -92,6 +101,7 @@ def _empty() -> dict[str, Any]:
     data: dict[str, Any] = {key: {} for key in COUNTS}
     data["store"] = {}
     data["breaker_trips"] = 0
+    data["groups"] = {}
     return data
 
 
@@ -100,6 +110,7 @@ def _is_empty(data: dict[str, Any]) -> bool:
         any(data[key] for key in COUNTS)
         or data["store"]
         or data["breaker_trips"]
+        or data["groups"]
     )
 
 
@@ -130,6 +141,9 @@ class LifecycleConnectorStats(KVConnectorStats):
                 "latencies_s": list(f.get("latencies_s", ())),
             }
             for op, f in given.get("store", {}).items()
+        }
+        self.data["groups"] = {
+            g: dict(counts) for g, counts in given.get("groups", {}).items()
         }
 
     def reset(self) -> None:
@@ -162,6 +176,8 @@ class LifecycleConnectorStats(KVConnectorStats):
             samples = [*mine["latencies_s"], *figures.get("latencies_s", ())]
             mine["latencies_s"] = samples[-MAX_LATENCY_SAMPLES:]
         self.data["breaker_trips"] += theirs.get("breaker_trips", 0)
+        for group, counts in theirs.get("groups", {}).items():
+            _add(self.data["groups"].setdefault(group, {}), counts)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -189,6 +205,13 @@ class LifecycleConnectorStats(KVConnectorStats):
                 out[f"Store {op} short-circuited"] = f["short_circuited"]
         if self.data["breaker_trips"]:
             out["Store breaker trips"] = self.data["breaker_trips"]
+        for group, counts in sorted(self.data["groups"].items()):
+            for key, n in sorted(counts.items()):
+                name = key.replace("_", " ")
+                if key.endswith("_bytes"):
+                    out[f"Group {group} {name[:-6]} MB"] = round(n / 2**20, 3)
+                else:
+                    out[f"Group {group} {name}"] = n
         return out
 
 
@@ -243,6 +266,8 @@ class StatsSource:
         store: The store client's stats, if any.
         half: ``"scheduler"`` or ``"worker"``: which payload sections the
             machine's counts go to.
+        groups: Returns the per-group counts since its last call (the
+            ``groups`` section), if any.
     """
 
     def __init__(
@@ -251,11 +276,13 @@ class StatsSource:
         machine: AnyMachine | None = None,
         store: StoreCounters | None = None,
         half: str = "scheduler",
+        groups: Callable[[], dict[str, dict[str, int]]] | None = None,
     ) -> None:
         if half not in HALVES:
             msg = f"half must be one of {sorted(HALVES)}, got {half!r}"
             raise ValueError(msg)
         self._prefix = HALVES[half]
+        self.groups = groups
         self._store = store
         self._trips = store.breaker_trips if store is not None else 0
         self._machine: AnyMachine | None = None
@@ -290,6 +317,8 @@ class StatsSource:
             if trips != self._trips:
                 data["breaker_trips"] = trips - self._trips
                 self._trips = trips
+        if self.groups is not None:
+            data["groups"] = {g: c for g, c in self.groups().items() if c}
         return None if _is_empty(data) else LifecycleConnectorStats(data=data)
 
     def _take_lifecycle(

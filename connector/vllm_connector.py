@@ -18,6 +18,11 @@ Without the installed entry point, add
 This module is the role facade: every hook is a one-line delegation to
 `connector.scheduler.SchedulerSide` or `connector.worker.WorkerSide`,
 which hold no vLLM import.  Importing it imports vLLM.
+
+The connector declares vLLM's `SupportsHMA`: it runs with the hybrid KV
+cache manager, over full-attention and sliding-window KV cache groups
+(`connector.groups`); a model with any other group kind (Mamba/SSM
+state, ...) is refused at start-up with `UnsupportedKVGroups`.
 """
 
 from __future__ import annotations
@@ -32,13 +37,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from connector import clients
 from connector.config import LookupConfig, StoreConfig, TraceConfig
 from connector.errors import ConfigError
 from connector.failed_keys import DEFAULT_TTL_S, FailedKeys
+from connector.groups import KVGroups, Lane
 from connector.keys import KeyScheme, Layout
 from connector.lookup import leading_hits
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
@@ -49,6 +57,7 @@ from connector.stats import (
     StatsSource,
 )
 from connector.store import Regions, StoreClient
+from connector.transfer import KVLayout, open_transfer
 from connector.worker import WorkerSide
 from lifecycle.trace import TraceError, TraceWriter
 
@@ -93,10 +102,16 @@ class LifecycleWorkerMetadata(KVConnectorWorkerMetadata):
 
 @attrs.frozen
 class _StoreLookup:
-    """Asks the store how many leading blocks every TP shard holds."""
+    """Asks the store how many leading blocks every TP shard holds.
+
+    With several KV cache groups (`groups`, one scheme per shard and
+    group, group-major), the hit is the longest prefix every group can
+    serve (`KVGroups.hit_blocks`).
+    """
 
     client: Any
     schemes: tuple[KeyScheme, ...]
+    groups: KVGroups | None = None
 
     def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
         return self.hit_blocks_many([block_hashes])[0]
@@ -104,10 +119,19 @@ class _StoreLookup:
     def hit_blocks_many(
         self, prefixes: Sequence[Sequence[bytes]]
     ) -> list[int]:
-        """Every prefix's leading hit, over every shard, in one call.
+        """Every prefix's hit, over every shard and group, in one call.
 
-        A block shared by several prefixes is asked for once.
+        Without hybrid groups a block shared by several prefixes is asked
+        for once.
         """
+        if self.groups is not None and self.groups.hybrid:
+            hashes = [h for p in prefixes for h in p]
+            if not hashes:
+                return [0] * len(prefixes)
+            keys = [k for s in self.schemes for k in s.keys(hashes)]
+            flags = self.client.exists(keys).succeeded
+            sizes = [len(p) for p in prefixes]
+            return _hybrid_hits(flags, sizes, len(self.schemes), self.groups)
         unique = list(dict.fromkeys(h for p in prefixes for h in p))
         if not unique:
             return [0] * len(prefixes)
@@ -116,8 +140,29 @@ class _StoreLookup:
         return leading_hits(prefixes, unique, codes, len(self.schemes))
 
 
-def _layout(kv_cache_config: Any) -> Layout:
-    group = kv_cache_config.kv_cache_groups[0]
+def _hybrid_hits(
+    flags: Sequence[bool], sizes: Sequence[int], schemes: int, groups: KVGroups
+) -> list[int]:
+    """Per prefix, `KVGroups.hit_blocks` over group-major scheme flags."""
+    total = sum(sizes)
+    per_group = len(groups.groups)
+    shards = schemes // per_group
+    held = []  # per group: per hash, held by every shard
+    for g in range(per_group):
+        rows = [
+            flags[(g * shards + r) * total : (g * shards + r + 1) * total]
+            for r in range(shards)
+        ]
+        held.append([all(col) for col in zip(*rows, strict=True)])
+    hits, start = [], 0
+    for size in sizes:
+        hits.append(groups.hit_blocks([h[start : start + size] for h in held]))
+        start += size
+    return hits
+
+
+def _layout(kv_cache_config: Any, index: int = 0) -> Layout:
+    group = kv_cache_config.kv_cache_groups[index]
     spec = group.kv_cache_spec
     layers = len(group.layer_names)
     return Layout(
@@ -171,13 +216,18 @@ def _tp_rank() -> int:
         return 0
 
 
-class MooncakeLifecycleConnector(KVConnectorBase_V1):
+class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     """A KV connector whose hooks only fire lifecycle events.
 
     It never asserts on ordering, never delays freeing (saves pin their
     own blocks), reports exactly one receive completion per load, even a
     failed one (whose blocks vLLM recomputes), and never reports one vLLM
-    no longer expects.
+    no longer expects.  It supports vLLM's hybrid KV cache manager
+    (`SupportsHMA`) for full-attention and sliding-window groups.
+
+    Raises:
+        UnsupportedKVGroups: the model has a KV cache group of another
+            kind (e.g. Mamba state), naming every group's kind.
     """
 
     def __init__(
@@ -195,15 +245,19 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
         model = PurePath(str(vllm_config.model_config.model)).name
-        layout = _layout(kv_cache_config)
+        self._groups = KVGroups.from_kv_cache_config(kv_cache_config)
+        layouts = [
+            _layout(kv_cache_config, g.index) for g in self._groups.groups
+        ]
 
-        def scheme(rank: int) -> KeyScheme:
+        def scheme(rank: int, group: int = 0) -> KeyScheme:
             return KeyScheme(
                 namespace=self._store_config.namespace,
                 model=model,
                 tp_rank=rank,
                 tp_size=tp_size,
-                layout=layout,
+                layout=layouts[group],
+                kv_group=group,
             )
 
         self._client: StoreClient | None = clients.acquire(
@@ -213,20 +267,31 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._registered: list[int] = []
-        self._keys = scheme(_tp_rank() if tp_size > 1 else 0)
+        rank = _tp_rank() if tp_size > 1 else 0
+        self._keys = [scheme(rank, g.index) for g in self._groups.groups]
         self._num_blocks = kv_cache_config.num_blocks
         try:
             if role == KVConnectorRole.SCHEDULER:
+                hybrid = self._groups.hybrid
                 self._scheduler = SchedulerSide(
-                    block_size=vllm_config.cache_config.block_size,
+                    block_size=self._groups.groups[0].block_size
+                    if hybrid
+                    else vllm_config.cache_config.block_size,
                     role=Role(transfer.kv_role),
                     lookup=_StoreLookup(
-                        self._client, tuple(scheme(r) for r in range(tp_size))
+                        self._client,
+                        tuple(
+                            scheme(r, g.index)
+                            for g in self._groups.groups
+                            for r in range(tp_size)
+                        ),
+                        self._groups,
                     ),
                     world_size=parallel.world_size,
                     lookup_timeout_s=lookups.timeout_ms / 1000,
                     max_pending=lookups.max_pending,
                     failed_keys=FailedKeys(_failed_load_ttl_s(extra)),
+                    groups=self._groups if hybrid else None,
                 )
             self._trace = _open_trace(trace, self._scheduler)
         except BaseException:
@@ -238,6 +303,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
             machine=self._scheduler.machine if self._scheduler else None,
             store=self._client.stats,
             half="scheduler" if self._scheduler else "worker",
+            groups=self._scheduler_group_stats if self._scheduler else None,
         )
 
     # ------------------------------------------------------- scheduler side
@@ -298,6 +364,19 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         """Called once when vLLM finishes a request, in any state."""
         return self.scheduler_side.request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Called once when vLLM finishes a request of a hybrid model.
+
+        The same contract as `request_finished`, which it calls (so a
+        subclass hooking `request_finished` sees every finish): any state,
+        never delays freeing, one finish per request.
+        """
+        return self.request_finished(
+            request, list(block_ids[0]) if block_ids else []
+        )
+
     def update_connector_output(self, connector_output: Any) -> None:
         """Settle job results; pass on only expected receive completions."""
         self.scheduler_side.update_connector_output(connector_output)
@@ -325,16 +404,57 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
         if client is None:
             msg = "register_kv_caches after shutdown"
             raise RuntimeError(msg)
-        self._worker = WorkerSide.for_kv_caches(
-            client,
-            self._keys,
-            kv_caches,
-            self._num_blocks,
-            Regions,
-            register=client.register,
-        )
+        lanes = self._lanes(client, kv_caches)
+        if lanes:  # hybrid: one lane per KV cache group
+            first = {n: kv_caches[n] for n in self._group_layers(kv_caches, 0)}
+            self._worker = WorkerSide(
+                client,
+                self._keys[0],
+                KVLayout.from_tensors(first, self._num_blocks),
+                Regions,
+                transfer=lanes[0].transfer,
+                lanes=lanes,
+            )
+        else:
+            self._worker = WorkerSide.for_kv_caches(
+                client,
+                self._keys[0],
+                kv_caches,
+                self._num_blocks,
+                Regions,
+                register=client.register,
+            )
         self._registered.extend(self._worker.registered)
         self._stats.watch(self._worker.machine)
+        self._stats.groups = self._worker_group_stats
+
+    def _group_layers(
+        self, kv_caches: dict[str, torch.Tensor], index: int
+    ) -> list[str]:
+        """The group's layers that have a KV tensor (all, one group)."""
+        if not self._groups.hybrid:
+            return list(kv_caches)
+        layers = self._groups.groups[index].layers
+        return [n for n in layers if n in kv_caches]
+
+    def _lanes(
+        self, client: StoreClient, kv_caches: dict[str, torch.Tensor]
+    ) -> list[Lane]:
+        """Per group, its keys and a transfer over its layers (hybrid)."""
+        if not self._groups.hybrid:
+            return []
+        lanes = []
+        for group in self._groups.groups:
+            layers = self._group_layers(kv_caches, group.index)
+            transfer = open_transfer(
+                {n: kv_caches[n] for n in layers},
+                self._num_blocks,
+                Regions,
+                register=client.register,
+            )
+            keys = self._keys[group.index]
+            lanes.append(Lane(keys, transfer, keys.layout.block_bytes))
+        return lanes
 
     def _meta(self) -> ConnectorMeta | None:
         bound = self._connector_metadata
@@ -379,11 +499,30 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
             return None, None
         return self._worker.get_finished()
 
+    def get_transfer_results(
+        self, finished_req_ids: set[str]
+    ) -> KVConnectorTransferResults:
+        """`get_finished`, plus (hybrid models) the failed loads' requests."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = set()
+        if self._worker is not None and self._groups.hybrid:
+            failed = self._worker.take_failed_loads()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=failed,
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks whose load failed: vLLM recomputes them."""
+        """Blocks whose load failed: vLLM recomputes them.
+
+        Always empty for a hybrid model: its failed loads go per request
+        (`get_transfer_results`), as vLLM 0.33 requires.
+        """
         if self._worker is None:
             return set()
-        return self._worker.get_block_ids_with_load_errors()
+        errors = self._worker.get_block_ids_with_load_errors()
+        return set() if self._groups.hybrid else errors
 
     def build_connector_worker_meta(self) -> LifecycleWorkerMetadata | None:
         """This step's job results, for the scheduler half."""
@@ -398,6 +537,17 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1):
             self._worker.handle_preemptions(kv_connector_metadata.meta)
 
     # ---------------------------------------------------------------- stats
+
+    def _scheduler_group_stats(self) -> dict[str, dict[str, int]]:
+        hits = self.scheduler_side.jobs.take_hits()
+        return {f"g{g}": {"hit_blocks": n} for g, n in hits.items()}
+
+    def _worker_group_stats(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        if self._worker is not None:
+            for (kind, g, unit), n in self._worker.take_moved().items():
+                out.setdefault(f"g{g}", {})[f"{kind}_{unit}"] = n
+        return out
 
     def get_kv_connector_stats(self) -> LifecycleConnectorStats | None:
         """This half's lifecycle and store figures since the last call."""

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 
+from connector.groups import Lane, move_blocks
 from connector.metadata import (
     ConnectorMeta,
     JobKind,
@@ -142,6 +143,8 @@ class WorkerSide:
         regions: Builds a store batch from (ptr lists, size lists).
         transfer: How blocks move (default: zero copy over `layout`).
         machine: The worker's lifecycle machine (strict in tests).
+        lanes: Per KV cache group, how its blocks move (hybrid models;
+            default: one group, `keys` over `transfer`).
     """
 
     def __init__(
@@ -153,11 +156,18 @@ class WorkerSide:
         *,
         transfer: Transfer | None = None,
         machine: KVMachine | None = None,
+        lanes: Sequence[Lane] = (),
     ) -> None:
         self._store = store
         self._keys = keys
         self.layout = layout
         self.transfer: Transfer = transfer or Direct(layout, regions)
+        self.lanes = tuple(lanes) or (
+            Lane(keys, self.transfer, layout.block_bytes),
+        )
+        #: Blocks and bytes moved, by (kind, group), since `take_moved`.
+        self.moved: Counter[tuple[str, int, str]] = Counter()
+        self._moved_lock = threading.Lock()
         self.machine: KVMachine = machine or LifecycleMachine(TABLE)
         self.registry = Registry(self.machine, KVTracker)
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
@@ -176,6 +186,9 @@ class WorkerSide:
         for thread in self._threads:
             thread.start()
         self._load_errors: set[int] = set()
+        #: Requests whose reported load had a failed block (hybrid models
+        #: report these, not block ids: `take_failed_loads`).
+        self._failed_loads: set[str] = set()
         self._step_results: list[JobResult] = []
         self._meta_step = -1  # last metadata whose notices and loads ran
         self._save_step = -1  # last metadata whose saves were queued
@@ -226,7 +239,9 @@ class WorkerSide:
     @property
     def registered(self) -> tuple[int, ...]:
         """Addresses registered with the store for this worker."""
-        return self.transfer.registered
+        return tuple(
+            a for lane in self.lanes for a in lane.transfer.registered
+        )
 
     # -- hooks ----------------------------------------------------------------
 
@@ -240,7 +255,8 @@ class WorkerSide:
 
     def save_kv_layer(self, layer_name: str) -> None:
         """The forward wrote this layer: saves copy it only after now."""
-        self.transfer.layer_written(layer_name)
+        for lane in self.lanes:
+            lane.transfer.layer_written(layer_name)
 
     def wait_for_save(self, meta: ConnectorMeta | None) -> None:
         """Queue this step's saves, now that the forward pass wrote them.
@@ -249,7 +265,7 @@ class WorkerSide:
         scheduler holds them until the job reports.  An unpinned one
         (vLLM without a bindable block pool) is done before returning.
         """
-        fence = self.transfer.fence()
+        fence = tuple(lane.transfer.fence() for lane in self.lanes)
         if meta is None or self._closed:
             return
         self._take(meta)
@@ -296,12 +312,24 @@ class WorkerSide:
             }:
                 recving.add(job.req_id)
                 self._load_errors |= done.failed_blocks
+                if done.failed_blocks:
+                    self._failed_loads.add(job.req_id)
         return None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes)."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests reported received since the last call whose load failed.
+
+        vLLM 0.33 takes load failures of a model with several KV cache
+        groups only per request (``failed_recving``): block ids are not
+        unique across groups.
+        """
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def build_report(self) -> WorkerReport | None:
         """Job results drained by `get_finished` since the last report."""
@@ -435,6 +463,21 @@ class WorkerSide:
 
     # -- transfers ------------------------------------------------------------
 
+    def _count_moved(self, job: TransferJob, flags: Sequence[bool]) -> None:
+        kind = job.kind.value
+        with self._moved_lock:
+            for group, ok in zip(job.groups(), flags, strict=True):
+                if ok:
+                    size = self.lanes[group].block_bytes
+                    self.moved[(kind, group, "blocks")] += 1
+                    self.moved[(kind, group, "bytes")] += size
+
+    def take_moved(self) -> dict[tuple[str, int, str], int]:
+        """Blocks and bytes moved by (kind, group) since the last call."""
+        with self._moved_lock:
+            moved, self.moved = dict(self.moved), Counter()
+        return moved
+
     def _serve(self, kind: JobKind) -> None:
         source = self._queues[kind]
         while (item := source.get()) is not None:
@@ -444,13 +487,8 @@ class WorkerSide:
         """Run one job and fire its completion; never raises."""
         failed: frozenset[int] = frozenset()
         try:
-            keys = self._keys.keys(job.block_hashes)
-            if job.kind is JobKind.LOAD:
-                flags = self.transfer.load(self._store, keys, job.block_ids)
-            else:
-                flags = self.transfer.save(
-                    self._store, keys, job.block_ids, fence
-                )
+            flags = move_blocks(self.lanes, self._store, job, fence)
+            self._count_moved(job, flags)
             failed = frozenset(
                 b for b, ok in zip(job.block_ids, flags, strict=True) if not ok
             )

@@ -143,7 +143,10 @@ class KVTracker(Tracker[State]):
         num_hit_tokens: External tokens found by the latest lookup.
         num_external_tokens: Tokens being loaded from the store.
         num_saved_tokens: Prefix length covered by issued saves.
-        block_ids: The request's KV block ids, in order.
+        block_ids: The request's KV block ids, in order (KV cache group 0).
+        group_block_ids: The block ids of each further KV cache group
+            (groups 1, 2, ... of a hybrid model), index-aligned with
+            `block_ids`.
         pending_jobs: Ids of transfer jobs of this epoch not yet settled.
     """
 
@@ -157,6 +160,7 @@ class KVTracker(Tracker[State]):
     block_ids: list[int] = attrs.field(
         factory=list, validator=_check_block_ids
     )
+    group_block_ids: list[list[int]] = attrs.field(factory=list)
     pending_jobs: set[int] = attrs.field(factory=set)
 
 
@@ -171,13 +175,15 @@ def bump_epoch(tracker: KVTracker) -> None:
 
 
 def release_blocks(tracker: KVTracker) -> None:
-    """Forget the block table: vLLM has freed (or will reuse) the blocks."""
+    """Forget the block tables: vLLM has freed (or will reuse) the blocks."""
     tracker.block_ids.clear()
+    for table in tracker.group_block_ids:
+        table.clear()
 
 
 def clear_progress(tracker: KVTracker) -> None:
     """Forget everything learnt in the previous epoch, ready to re-admit."""
-    tracker.block_ids.clear()
+    release_blocks(tracker)
     tracker.num_hit_tokens = 0
     tracker.num_external_tokens = 0
     tracker.num_saved_tokens = 0

@@ -15,7 +15,9 @@ import connector
 import lifecycle
 from connector import errors as cerr
 from lifecycle import errors as lerr
+from lifecycle.__main__ import TableNotFoundError
 from lifecycle.kv import Event, State
+from lifecycle.sphinxext import TableReferenceError
 from lifecycle.trace import writer as trace_writer
 
 pytestmark = pytest.mark.vllm  # connector.vllm_connector is walked too
@@ -30,9 +32,6 @@ BASES = {
 
 
 def _samples() -> dict[type[BaseException], BaseException]:
-    from lifecycle.__main__ import TableNotFoundError
-    from lifecycle.sphinxext import TableReferenceError
-
     problem = lerr.TableProblem("duplicate-row", "NEW --finish--> twice")
     made: list[BaseException] = [
         cerr.ConnectorError("base"),
@@ -48,11 +47,16 @@ def _samples() -> dict[type[BaseException], BaseException]:
         cerr.StoreClosedError("put"),
         cerr.RegistrationError(0x1000, 4096, -1, "no memory"),
         cerr.RegionError(3, "size 0"),
+        cerr.UnsupportedKVGroups(
+            ("0:full_attention", "1:mamba"),
+            "full_attention, sliding_window",
+            "group 1 is mamba",
+        ),
         lerr.IllegalTransition(State.NEW, Event.LOAD_DONE, "r1", 2),
         lerr.UnknownRequest(Event.FINISH, "r2"),
         lerr.InvalidTable((problem,)),
-        trace_writer.TraceError("/tmp/t.jsonl", "no such file"),
-        trace_writer.TableMismatchError("/tmp/t.jsonl", "abc", "def"),
+        trace_writer.TraceError("traces/t.jsonl", "no such file"),
+        trace_writer.TableMismatchError("traces/t.jsonl", "abc", "def"),
         TableNotFoundError("--table must be MODULE:NAME, got 'x'"),
         TableReferenceError("mod:NAME", "no attribute NAME"),
     ]
@@ -114,5 +118,5 @@ def test_messages_name_the_data():
     assert "an unknown request" in str(unknown)
     mismatch = samples[trace_writer.TableMismatchError]
     assert mismatch.reason.startswith("recorded with table fingerprint def")
-    assert str(mismatch).startswith("trace /tmp/t.jsonl: recorded with")
+    assert str(mismatch).startswith("trace traces/t.jsonl: recorded with")
     assert samples[lerr.InvalidTable].kinds == {"duplicate-row"}

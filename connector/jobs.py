@@ -1,0 +1,154 @@
+"""The scheduler half's table of open transfer jobs.
+
+Jobs are keyed by job id and outlive their request on purpose: a save
+pins its blocks in vLLM's block pool until every rank has finished
+reading them, so neither preemption nor completion can hand those blocks
+to another request while the store still reads them (vLLM #52360).  A job
+is settled once every rank reported it; settling unpins its blocks.
+
+A job moves (group, block) pairs: one job per load or save of a request,
+whatever the number of KV cache groups, so a load still ends in exactly
+one receive completion.  No vLLM import.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Sequence
+from typing import Any, Final, Protocol
+
+import attrs
+
+from connector.metadata import JobKind, TransferJob
+
+log: Final = logging.getLogger(__name__)
+
+
+class BlockPool(Protocol):
+    """The part of vLLM's `BlockPool` used to pin blocks."""
+
+    blocks: Sequence[Any]
+
+    def touch(self, blocks: Sequence[Any]) -> None:
+        """Take one reference on each block."""
+
+    def free_blocks(self, ordered_blocks: Sequence[Any]) -> None:
+        """Drop one reference on each block."""
+
+
+@attrs.define(slots=True, eq=False)
+class OpenJob:
+    """A job issued and not yet reported by every rank."""
+
+    job: TransferJob
+    pinned: list[Any]
+    ok: int = 0
+    failed: int = 0
+    invalid: set[int] = attrs.Factory(set)
+
+
+def failed_hashes(job: TransferJob, invalid: set[int]) -> list[bytes]:
+    """The hashes of a load's blocks that vLLM was told failed."""
+    return [
+        h
+        for b, h in zip(job.block_ids, job.block_hashes, strict=True)
+        if b in invalid
+    ]
+
+
+class JobTable:
+    """Open jobs by id; pins save blocks until every rank reported.
+
+    Args:
+        world_size: Ranks that must report a job before it is settled.
+    """
+
+    def __init__(self, world_size: int = 1) -> None:
+        self.world_size = world_size
+        self.pool: BlockPool | None = None
+        self._open: dict[int, OpenJob] = {}
+        self._next = 0
+        #: Blocks issued for loading (store hits), by KV cache group.
+        self.hits: collections.Counter[int] = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._open
+
+    def __getitem__(self, job_id: int) -> OpenJob:
+        return self._open[job_id]
+
+    def get(self, job_id: int) -> OpenJob | None:
+        """The open job `job_id`, if any."""
+        return self._open.get(job_id)
+
+    def has_saves(self) -> bool:
+        """Whether a save is still open (and pins blocks)."""
+        return any(o.job.kind is JobKind.SAVE for o in self._open.values())
+
+    def issue(
+        self,
+        kind: JobKind,
+        req_id: str,
+        epoch: int,
+        pairs: Sequence[tuple[int, int, int]],
+        hashes: Sequence[bytes],
+        *,
+        pin: bool = False,
+        finished: bool = False,
+    ) -> TransferJob:
+        """Open a job over (group, block id, block index) `pairs`.
+
+        `hashes` are the request's block hashes (indexed by block index).
+        With `pin` and a bound pool, the blocks are referenced until the
+        job settles.
+        """
+        pinned: list[Any] = []
+        if pin and self.pool is not None:
+            pinned = [self.pool.blocks[b] for _, b, _ in pairs]
+            self.pool.touch(pinned)
+        groups = tuple(g for g, _, _ in pairs)
+        job = TransferJob(
+            job_id=self._next,
+            kind=kind,
+            req_id=req_id,
+            epoch=epoch,
+            block_ids=tuple(b for _, b, _ in pairs),
+            block_hashes=tuple(hashes[i] for _, _, i in pairs),
+            pinned=bool(pinned),
+            finished=finished,
+            group_ids=groups if any(groups) else (),
+        )
+        self._next += 1
+        self._open[job.job_id] = OpenJob(job, pinned)
+        if kind is JobKind.LOAD:
+            self.hits.update(groups)
+        return job
+
+    def take_hits(self) -> dict[int, int]:
+        """Loaded blocks by group since the last call (stats)."""
+        hits, self.hits = dict(self.hits), collections.Counter()
+        return hits
+
+    def settle(
+        self, job_id: int, ok: int, failed: int
+    ) -> tuple[TransferJob, bool] | None:
+        """Count one report; (job, all ok) once every rank reported.
+
+        A report of an unknown job is logged and ignored (None).
+        """
+        open_job = self._open.get(job_id)
+        if open_job is None:
+            log.warning("report for unknown transfer job %d", job_id)
+            return None
+        open_job.ok += ok
+        open_job.failed += failed
+        if open_job.ok + open_job.failed < self.world_size:
+            return None
+        del self._open[job_id]
+        if open_job.pinned and self.pool is not None:
+            self.pool.free_blocks(open_job.pinned)
+        return open_job.job, open_job.failed == 0

@@ -1,0 +1,377 @@
+"""`harness.scheduler.Harness` over a hybrid KV cache (vLLM's HMA).
+
+`HybridHarness` drives vLLM 0.33's real Scheduler with two KV cache
+groups, as vLLM plans them for a model that interleaves full attention
+and sliding-window attention (gpt-oss, Gemma 2/3): group 0 holds the
+full-attention layers, group 1 the sliding-window ones, one block pool
+serves both, and every KV tensor is shared by one layer of each group
+(vLLM's `KVCacheTensor(layers=[full_i, swa_i])`), so a block id means
+the same memory in both groups and only the group owning the block
+writes it.  With more than one group vLLM's scheduler uses its
+`HybridKVCacheCoordinator` and calls `request_finished_all_groups`.
+
+The two groups hold different numbers of blocks per request: vLLM gives a
+sliding-window position that left the window the null block (id 0) and
+frees its block.
+
+How HMA is enabled on a CPU: `VllmConfig` turns the hybrid KV cache
+manager off for a platform without HMA support (`disable_hybrid_kv_cache
+_manager = True`; asking for it explicitly raises).  That flag only
+steers `kv_cache_planning` (which would merge the groups into one); the
+scheduler itself takes whatever `KVCacheConfig` it is given.  The
+harness therefore builds the two-group `KVCacheConfig` itself and sets
+the flag back to False after `VllmConfig` was built, so every part that
+reads it sees HMA on.
+
+Checks, after every step, for every group: each non-null block covering a
+request's computed tokens holds exactly the KV recomputation would write
+for that group's layers (whether computed, hit locally or loaded), every
+sliding-window position inside the window of the next token is backed
+by a real block, and every block a request holds is referenced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from harness.scheduler import (
+    _MAX_FAILURES_PER_CHECK,
+    Harness,
+    _WorkerRequest,
+    kv_values,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+    )
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+NULL_BLOCK = 0
+FULL, SLIDING = 0, 1
+
+
+@dataclasses.dataclass
+class _HybridRequest(_WorkerRequest):
+    """The runner's tables of one request: `tables[0] is block_ids`."""
+
+    tables: list[list[int]] = dataclasses.field(default_factory=list)
+
+
+def _same_tables(
+    runner: Sequence[Sequence[int]], scheduler: Sequence[Sequence[int]]
+) -> bool:
+    """Equal, except where the scheduler holds the null block."""
+    return len(runner) == len(scheduler) and all(
+        len(r) == len(s)
+        and all(b in (a, NULL_BLOCK) for a, b in zip(r, s, strict=True))
+        for r, s in zip(runner, scheduler, strict=True)
+    )
+
+
+class HybridHarness(Harness):
+    """`Harness` with a full-attention and a sliding-window group.
+
+    Args:
+        connector: As for `Harness`.
+        sliding_window: Tokens the sliding-window layers attend to.
+        num_layers: Layers per group (each group has this many).
+        **kwargs: As for `Harness`.
+    """
+
+    def __init__(
+        self,
+        connector: str,
+        *,
+        sliding_window: int = 40,
+        num_layers: int = 2,
+        **kwargs: Any,
+    ) -> None:
+        self.sliding_window = sliding_window
+        self.layers_per_group = num_layers
+        super().__init__(connector, num_layers=2 * num_layers, **kwargs)
+
+    # ---------------------------------------------------------- set-up
+
+    @property
+    def group_layers(self) -> list[list[str]]:
+        """Layer names of group 0 (full) and group 1 (sliding window)."""
+        n = self.layers_per_group
+        return [self.layer_names[:n], self.layer_names[n:]]
+
+    def _group_of(self, layer: int) -> int:
+        return FULL if layer < self.layers_per_group else SLIDING
+
+    def _make_vllm_config(self, *args: Any, **kwargs: Any) -> VllmConfig:
+        config = super()._make_vllm_config(*args, **kwargs)
+        # See the module docstring: HMA is on for the scheduler.
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        return config
+
+    def _make_kv_cache_config(self) -> KVCacheConfig:
+        import torch  # noqa: PLC0415
+        from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+            SlidingWindowSpec,
+        )
+
+        heads, width = 1, self.kv_width // 2
+        full = FullAttentionSpec(
+            block_size=self.block_size,
+            num_kv_heads=heads,
+            head_size=width,
+            dtype=torch.float32,
+        )
+        swa = SlidingWindowSpec(
+            block_size=self.block_size,
+            num_kv_heads=heads,
+            head_size=width,
+            dtype=torch.float32,
+            sliding_window=self.sliding_window,
+        )
+        page = full.page_size_bytes
+        full_layers, swa_layers = self.group_layers
+        return KVCacheConfig(
+            num_blocks=self.num_blocks,
+            kv_cache_tensors=[
+                KVCacheTensor(
+                    size=page * self.num_blocks,
+                    layers=[f, s],
+                    layer_stride=page * self.num_blocks,
+                    block_stride=page,
+                )
+                for f, s in zip(full_layers, swa_layers, strict=True)
+            ],
+            kv_cache_groups=[
+                KVCacheGroupSpec(full_layers, full),
+                KVCacheGroupSpec(swa_layers, swa),
+            ],
+        )
+
+    def _make_worker_connector(self) -> KVConnectorBase_V1:
+        import torch  # noqa: PLC0415
+        from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: PLC0415
+            KVConnectorFactory,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
+            KVConnectorRole,
+        )
+
+        connector = KVConnectorFactory.create_connector(
+            config=self.vllm_config,
+            role=KVConnectorRole.WORKER,
+            kv_cache_config=self.kv_cache_config,
+        )
+        self.kv_caches = {}
+        for tensor in self.kv_cache_config.kv_cache_tensors:
+            shared = torch.zeros(
+                self.num_blocks,
+                self.block_size,
+                self.kv_width,
+                dtype=torch.float32,
+            )
+            for name in tensor.layers:
+                self.kv_caches[name] = shared
+        self.kv_caches = {n: self.kv_caches[n] for n in self.layer_names}
+        connector.register_kv_caches(self.kv_caches)
+        return connector
+
+    # ---------------------------------------------------- the worker
+
+    def _tables(self, req_id: str) -> list[list[int]]:
+        request = self._worker_reqs[req_id]
+        if isinstance(request, _HybridRequest):
+            return request.tables
+        return [request.block_ids]
+
+    def _set_tables(
+        self, req_id: str, tables: Sequence[Sequence[int]]
+    ) -> None:
+        copies = [list(t) for t in tables] or [[]]
+        copies += [[] for _ in range(2 - len(copies))]
+        self._worker_reqs[req_id] = _HybridRequest(copies[0], copies)
+
+    def _apply_new_requests(
+        self, scheduler_output: SchedulerOutput
+    ) -> dict[str, int]:
+        starts = super()._apply_new_requests(scheduler_output)
+        for new in scheduler_output.scheduled_new_reqs:
+            self._set_tables(new.req_id, new.block_ids)
+        return starts
+
+    def _apply_cached_requests(
+        self, scheduler_output: SchedulerOutput
+    ) -> dict[str, int]:
+        """As the base runner, for every group's table."""
+        cached = scheduler_output.scheduled_cached_reqs
+        tables = {
+            r: self._tables(r)
+            for r in cached.req_ids
+            if r in self._worker_reqs and r not in cached.resumed_req_ids
+        }
+        starts = super()._apply_cached_requests(scheduler_output)
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if req_id not in tables:  # resumed or unknown: replaced
+                self._set_tables(req_id, new_ids or ())
+                continue
+            # group 0 (the same list as `block_ids`) was extended above
+            for table, ids in zip(
+                tables[req_id][1:], (new_ids or ())[1:], strict=False
+            ):
+                table.extend(ids)
+        return starts
+
+    def _update_worker_states(
+        self, scheduler_output: SchedulerOutput
+    ) -> dict[str, range]:
+        """The base runner's update, checking every group's table."""
+        positions = super()._update_worker_states(scheduler_output)
+        manager = self.scheduler.kv_cache_manager
+        for req_id in positions:
+            expected = [list(t) for t in manager.get_block_ids(req_id)]
+            # vLLM nulls a sliding-window block that left the window in its
+            # own table only; the runner keeps the stale id (never read).
+            if not _same_tables(self._tables(req_id), expected):
+                self._fail(
+                    f"{req_id}: runner block tables {self._tables(req_id)} "
+                    f"differ from the scheduler's {expected}"
+                )
+                self._set_tables(req_id, expected)
+        return positions
+
+    def _group_slots(
+        self, req_id: str, positions: range, group: int
+    ) -> torch.Tensor:
+        import torch  # noqa: PLC0415
+
+        table = self._tables(req_id)[group]
+        bs = self.block_size
+        slots = []
+        for p in positions:
+            block = table[p // bs]
+            if block == NULL_BLOCK:
+                self._fail(f"{req_id}: computes position {p} in block 0")
+            slots.append(block * bs + p % bs)
+        return torch.tensor(slots, dtype=torch.int64)
+
+    def _slots(self, req_id: str, positions: range) -> torch.Tensor:
+        return self._group_slots(req_id, positions, FULL)
+
+    def _forward(
+        self, positions: dict[str, range], attn_metadata: Any
+    ) -> None:
+        connector = self.worker_connector
+        for layer, name in enumerate(self.layer_names):
+            group = self._group_of(layer)
+            connector.wait_for_layer_load(name)
+            kv = self.kv_caches[name].view(-1, self.kv_width)
+            for req_id, ps in positions.items():
+                if not ps:
+                    continue
+                hashes = self._hashes[req_id]
+                if ps.stop > len(hashes):
+                    self._fail(f"{req_id}: position {ps.stop - 1} unknown")
+                    continue
+                kv[self._group_slots(req_id, ps, group)] = kv_values(
+                    hashes[ps.start : ps.stop], layer, self.kv_width
+                )
+            connector.save_kv_layer(name, self.kv_caches[name], attn_metadata)
+
+    # ---------------------------------------------------------- checks
+
+    def _check_contents(self) -> None:
+        """Every group's real blocks over computed tokens hold their KV."""
+        from vllm.v1.request import RequestStatus  # noqa: PLC0415
+
+        manager = self.scheduler.kv_cache_manager
+        self._reported = 0
+        for req_id, request in self.scheduler.requests.items():
+            computed = request.num_computed_tokens
+            if (
+                computed == 0
+                or request.is_finished()
+                or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            ):
+                continue
+            if len(self._hashes[req_id]) < computed:
+                self._fail(f"{req_id}: {computed} computed tokens unknown")
+                continue
+            for group, table in enumerate(manager.get_block_ids(req_id)):
+                self._check_group(request, group, table)
+
+    def _check_group(
+        self, request: Request, group: int, table: Sequence[int]
+    ) -> None:
+        """One group's blocks of one request (see `_check_contents`)."""
+        req_id, computed = request.request_id, request.num_computed_tokens
+        bs = self.block_size
+        if len(table) * bs < computed:
+            self._fail(
+                f"{req_id}: {computed} computed tokens but group {group} "
+                f"has only {len(table)} blocks"
+            )
+            return
+        real = [p for p in range(computed) if table[p // bs] != NULL_BLOCK]
+        window = range(max(computed - self.sliding_window + 1, 0), computed)
+        needed = window if group == SLIDING else range(computed)
+        missing = [p for p in needed if table[p // bs] == NULL_BLOCK]
+        if missing:
+            self._fail(
+                f"step {self.num_steps}: {req_id} position {missing[0]} "
+                f"has no block in group {group}"
+            )
+        hashes = self._hashes[req_id]
+        for layer, name in enumerate(self.layer_names):
+            if self._group_of(layer) != group or not real:
+                continue
+            kv = self.kv_caches[name].view(-1, self.kv_width)
+            slots = [table[p // bs] * bs + p % bs for p in real]
+            actual = kv[self._table_tensor(slots)]
+            expected = kv_values(
+                [hashes[p] for p in real], layer, self.kv_width
+            )
+            bad = (actual != expected).any(dim=1).nonzero()
+            if bad.numel() and self._reported < _MAX_FAILURES_PER_CHECK:
+                self._reported += 1
+                p = real[int(bad[0])]
+                self._fail(
+                    f"step {self.num_steps}: {req_id} "
+                    f"({request.status.name}, {computed} computed) holds "
+                    f"wrong KV in group {group} {name} at {bad.numel()} "
+                    f"position(s), first {p} (block {table[p // bs]})"
+                )
+
+    def _check_block_pool(self) -> None:
+        """Reference counts hold; every group's held blocks are in use."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        blocks = [b for b in pool.blocks if not b.is_null]
+        negative = [b.block_id for b in blocks if b.ref_cnt < 0]
+        if negative:
+            self._fail(f"step {self.num_steps}: ref_cnt < 0: {negative}")
+        unreferenced = sum(1 for b in blocks if b.ref_cnt == 0)
+        if unreferenced != pool.get_num_free_blocks():
+            self._fail(
+                f"step {self.num_steps}: {pool.get_num_free_blocks()} blocks "
+                f"in the free queue but {unreferenced} with ref_cnt 0"
+            )
+        manager = self.scheduler.kv_cache_manager
+        for req_id in self.scheduler.requests:
+            for group, table in enumerate(manager.get_block_ids(req_id)):
+                for block_id in table:
+                    block = pool.blocks[block_id]
+                    if not block.is_null and block.ref_cnt <= 0:
+                        self._fail(
+                            f"step {self.num_steps}: {req_id} holds block "
+                            f"{block_id} of group {group}, which is free"
+                        )

@@ -34,7 +34,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 import torch
 
 from connector.config import KiB, MiB, StoreConfig
-from connector.keys import KeyScheme, Layout
+from connector.keys import KeyLayout, KeyScheme
 from connector.master import EmbeddedMaster
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from connector.store import Regions, StoreClient
@@ -66,7 +66,7 @@ class Bench:
             model="m",
             tp_rank=0,
             tp_size=1,
-            layout=Layout("uint8", block_tokens=16, block_bytes=block),
+            layout=KeyLayout("uint8", block_tokens=16, block_bytes=block),
         )
         self.workers = {
             "worker": self._worker(None),

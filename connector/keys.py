@@ -40,7 +40,7 @@ from connector.errors import KeySchemeError
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-__all__ = ["KEY_VERSION", "SEPARATOR", "BlockHash", "KeyScheme", "Layout"]
+__all__ = ["KEY_VERSION", "SEPARATOR", "BlockHash", "KeyLayout", "KeyScheme"]
 
 KEY_VERSION: Final = "kvl1"
 SEPARATOR: Final = "@"
@@ -88,7 +88,7 @@ def _check_dtype(_: object, field: attrs.Attribute[str], value: str) -> None:
 
 
 @attrs.frozen
-class Layout:
+class KeyLayout:
     """What one stored KV block looks like, for the key fingerprint.
 
     Attributes:
@@ -139,8 +139,8 @@ class KeyScheme:
     model: str = attrs.field(validator=_check_text)
     tp_rank: int = attrs.field(validator=_check_int)
     tp_size: int = attrs.field(validator=_check_pos)
-    layout: Layout = attrs.field(
-        validator=attrs.validators.instance_of(Layout)
+    layout: KeyLayout = attrs.field(
+        validator=attrs.validators.instance_of(KeyLayout)
     )
     pp_rank: int = attrs.field(default=0, validator=_check_int)
     pp_size: int = attrs.field(default=1, validator=_check_pos)

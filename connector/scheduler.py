@@ -7,7 +7,8 @@ keyed by job id (`connector.jobs`), which outlive their request on
 purpose: a save pins its blocks until every rank has read them (vLLM
 #52360).  `request_finished` (vLLM's `request_finished_all_groups` of a
 hybrid model lands here too) never delays freeing, so there is never a
-send completion to owe (invariant 2).
+send completion to owe: vLLM frees a finished request's blocks at once
+unless the connector asks it to wait.
 
 Hybrid models: a tracker holds one block table per KV cache group; a load
 or a save is one job over (group, block) pairs (`connector.groups`).
@@ -346,7 +347,8 @@ class SchedulerSide:
         `output.finished_recving` is replaced by the requests whose load job
         settled here on every rank and whose lifecycle accepted it: never a
         completion for a freed, unknown, or re-admitted request (vLLM
-        #43226, #46240, #51637), and exactly one per load (invariant 3).
+        #43226, #46240, #51637), and exactly one per load: vLLM keeps a
+        loading request's blocks until that one completion (vLLM #50984).
         """
         report = getattr(output, "kv_connector_worker_meta", None)
         results = getattr(report, "results", ()) if report else ()

@@ -55,9 +55,9 @@ if TYPE_CHECKING:
     AnyMachine = LifecycleMachine[Any, Any, Any]
 
 KINDS: Final = ("transitions", "illegal", "stale")
-HALVES: Final = {"scheduler": "", "worker": "worker_"}
+HALF_PREFIXES: Final = {"scheduler": "", "worker": "worker_"}
 """Each half's machine counts under its own prefix: both see one event."""
-COUNTS: Final = tuple(f"{p}{k}" for p in HALVES.values() for k in KINDS)
+COUNTS: Final = tuple(f"{p}{k}" for p in HALF_PREFIXES.values() for k in KINDS)
 """The lifecycle sections of the payload, keyed by ``"STATE/event"``."""
 OP_COUNTERS: Final = ("ops", "keys", "bytes", "short_circuited")
 MAX_LATENCY_SAMPLES: Final = 4096
@@ -278,10 +278,10 @@ class StatsSource:
         half: str = "scheduler",
         groups: Callable[[], dict[str, dict[str, int]]] | None = None,
     ) -> None:
-        if half not in HALVES:
-            msg = f"half must be one of {sorted(HALVES)}, got {half!r}"
+        if half not in HALF_PREFIXES:
+            msg = f"half must be one of {sorted(HALF_PREFIXES)}, got {half!r}"
             raise ValueError(msg)
-        self._prefix = HALVES[half]
+        self._prefix = HALF_PREFIXES[half]
         self.groups = groups
         self._store = store
         self._trips = store.breaker_trips if store is not None else 0
@@ -429,7 +429,7 @@ class LifecyclePromMetrics(KVConnectorPromMetrics):
         """Record one payload (`LifecycleConnectorStats.data`)."""
         engine = self.per_engine_labelvalues[engine_idx]
         data = transfer_stats_data
-        for half, prefix in HALVES.items():
+        for half, prefix in HALF_PREFIXES.items():
             for kind, metric in self._by_pair.items():
                 for pair, n in data.get(f"{prefix}{kind}", {}).items():
                     state, _, event = pair.partition("/")

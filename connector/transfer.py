@@ -17,7 +17,7 @@ Ordering on CUDA:
 * `layer_written(layer)` (from `save_kv_layer`) records an event on the
   current stream after the layer's compute; `fence()` (from
   `wait_for_save`) records one after the whole step and hands each save job
-  a `Fence`: per KV piece, its layer's event, or the step's when the layer
+  a `CopyWaits`: per KV piece, its layer's event, or the step's when the layer
   reported nothing this step.  The save's side stream waits on the piece's
   event before copying it, and the host waits for the copies before the
   put reads the staging buffer.
@@ -46,7 +46,7 @@ _KV_HALVES: Final = 2  # K and V, on K/V-first layouts
 DEFAULT_STAGING_BLOCKS: Final = 32
 """Blocks per staging buffer (one buffer for loads, one for saves)."""
 
-Fence = tuple[Any, ...]
+CopyWaits = tuple[Any, ...]
 """Per KV piece, what its copy must wait for (None: nothing)."""
 
 
@@ -211,7 +211,7 @@ class Transfer(Protocol):
     def layer_written(self, layer: str) -> None:
         """The forward wrote `layer`'s KV for this step (`save_kv_layer`)."""
 
-    def fence(self) -> Fence:
+    def fence(self) -> CopyWaits:
         """What this step's saves must wait for; starts the next step."""
 
     def save(
@@ -219,7 +219,7 @@ class Transfer(Protocol):
         store: BlockStore,
         keys: Sequence[str],
         block_ids: Sequence[int],
-        fence: Fence,
+        fence: CopyWaits,
     ) -> list[bool]:
         """Store each block under its key, after `fence`."""
 
@@ -251,7 +251,7 @@ class Direct:
     def layer_written(self, layer: str) -> None:
         """Nothing: host compute is done when the hook runs."""
 
-    def fence(self) -> Fence:
+    def fence(self) -> CopyWaits:
         """Nothing to wait for."""
         return ()
 
@@ -260,7 +260,7 @@ class Direct:
         store: BlockStore,
         keys: Sequence[str],
         block_ids: Sequence[int],
-        fence: Fence,
+        fence: CopyWaits,
     ) -> list[bool]:
         """Put the blocks straight from the KV tensors."""
         del fence
@@ -305,7 +305,7 @@ class HostOps:
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         """A plain host buffer."""
-        import torch  # noqa: PLC0415 - torch is optional for the package
+        import torch
 
         return torch.empty(nbytes, dtype=torch.uint8)
 
@@ -334,14 +334,14 @@ class CudaOps:
     """
 
     def __init__(self, device: torch.device) -> None:
-        import torch  # noqa: PLC0415
+        import torch
 
         self.device = device
         self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         """Pinned host memory, so copies are truly asynchronous."""
-        import torch  # noqa: PLC0415
+        import torch
 
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
@@ -351,7 +351,7 @@ class CudaOps:
         None while the stream is being captured into a CUDA graph: an
         event recorded then would not be re-recorded at replay.
         """
-        import torch  # noqa: PLC0415
+        import torch
 
         if torch.cuda.is_current_stream_capturing():
             return None
@@ -361,7 +361,7 @@ class CudaOps:
 
     @contextlib.contextmanager
     def _side(self) -> Iterator[None]:
-        import torch  # noqa: PLC0415
+        import torch
 
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             yield
@@ -470,7 +470,7 @@ class Staged:
         if mark is not None:
             self._marks[layer] = mark
 
-    def fence(self) -> Fence:
+    def fence(self) -> CopyWaits:
         """Per piece, its layer's mark this step, else a step-wide one."""
         marks, self._marks = self._marks, {}
         step = self._saves.ops.record()
@@ -483,7 +483,7 @@ class Staged:
         store: BlockStore,
         keys: Sequence[str],
         block_ids: Sequence[int],
-        fence: Fence,
+        fence: CopyWaits,
     ) -> list[bool]:
         """Gather into staging after `fence`, then put from it."""
         lane = self._saves
@@ -516,9 +516,9 @@ class Staged:
     def _slot_regions(self, lane: _Lane, count: int) -> Any:
         return self._regions.pieces(*lane.layout.pieces(range(count)))
 
-    def _gather(self, lane: _Lane, chunk: list[int], fence: Fence) -> None:
+    def _gather(self, lane: _Lane, chunk: list[int], fence: CopyWaits) -> None:
         """Copy `chunk`'s blocks into staging slots 0..k-1, then wait."""
-        import torch  # noqa: PLC0415
+        import torch
 
         ops, k = lane.ops, len(chunk)
         rows = lane.buffer[:k]
@@ -549,7 +549,7 @@ class Staged:
 
     def _scatter(self, lane: _Lane, chunk: list[int], got: list[bool]) -> None:
         """Copy the staged blocks that arrived into the KV cache; wait."""
-        import torch  # noqa: PLC0415
+        import torch
 
         slots = [i for i, ok in enumerate(got) if ok]
         if not slots:

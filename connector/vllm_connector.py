@@ -47,7 +47,7 @@ from connector.config import LookupConfig, StoreConfig, TraceConfig
 from connector.errors import ConfigError
 from connector.failed_keys import DEFAULT_TTL_S, FailedKeys
 from connector.groups import KVGroups, Lane
-from connector.keys import KeyScheme, Layout
+from connector.keys import KeyLayout, KeyScheme
 from connector.lookup import leading_hits
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
 from connector.scheduler import Role, SchedulerSide
@@ -161,11 +161,11 @@ def _hybrid_hits(
     return hits
 
 
-def _layout(kv_cache_config: Any, index: int = 0) -> Layout:
+def _layout(kv_cache_config: Any, index: int = 0) -> KeyLayout:
     group = kv_cache_config.kv_cache_groups[index]
     spec = group.kv_cache_spec
     layers = len(group.layer_names)
-    return Layout(
+    return KeyLayout(
         dtype=str(spec.dtype).removeprefix("torch."),
         block_tokens=spec.block_size,
         block_bytes=spec.page_size_bytes * layers,

@@ -64,8 +64,8 @@ from connector.metadata import (
 from connector.transfer import (
     BatchOutcome,
     BlockStore,
+    CopyWaits,
     Direct,
-    Fence,
     KVLayout,
     Register,
     Segment,
@@ -172,7 +172,7 @@ class WorkerSide:
         self.registry = Registry(self.machine, KVTracker)
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
         self._queues: dict[
-            JobKind, queue.SimpleQueue[tuple[TransferJob, Fence] | None]
+            JobKind, queue.SimpleQueue[tuple[TransferJob, CopyWaits] | None]
         ] = {k: queue.SimpleQueue() for k in JobKind}
         self._threads = [
             threading.Thread(
@@ -247,11 +247,11 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: ConnectorMeta | None) -> None:
         """Apply the step's notices before its forward may reuse blocks."""
-        self._take(meta)
+        self._accept_meta(meta)
 
     def start_load_kv(self, meta: ConnectorMeta | None) -> None:
         """Apply the step's notices; queue its loads (all async)."""
-        self._take(meta)
+        self._accept_meta(meta)
 
     def save_kv_layer(self, layer_name: str) -> None:
         """The forward wrote this layer: saves copy it only after now."""
@@ -268,7 +268,7 @@ class WorkerSide:
         fence = tuple(lane.transfer.fence() for lane in self.lanes)
         if meta is None or self._closed:
             return
-        self._take(meta)
+        self._accept_meta(meta)
         if meta.step <= self._save_step:
             return
         self._save_step = meta.step
@@ -379,7 +379,7 @@ class WorkerSide:
 
     # -- lifecycle ------------------------------------------------------------
 
-    def _take(self, meta: ConnectorMeta | None) -> None:
+    def _accept_meta(self, meta: ConnectorMeta | None) -> None:
         """Fire the notices of `meta` and queue its loads, once per step."""
         if meta is None or self._closed or meta.step <= self._meta_step:
             return
@@ -483,7 +483,7 @@ class WorkerSide:
         while (item := source.get()) is not None:
             self._run(*item)
 
-    def _run(self, job: TransferJob, fence: Fence) -> None:
+    def _run(self, job: TransferJob, fence: CopyWaits) -> None:
         """Run one job and fire its completion; never raises."""
         failed: frozenset[int] = frozenset()
         try:

@@ -762,7 +762,7 @@ class Harness:
 
         with self._vllm_call("model runner"):
             positions = self._update_worker_states(scheduler_output)
-            # NOTE(harness): a stand-in, not vLLM's AttentionMetadata.
+            # A stand-in, not vLLM's AttentionMetadata.
             attn_metadata: Any = self._attn_metadata(positions)
             forward_context = ForwardContext(
                 no_compile_layers={
@@ -802,7 +802,7 @@ class Harness:
                 results = connector.get_transfer_results(
                     scheduler_output.finished_req_ids
                 )
-                # NOTE(harness): the v2 runner turns empty sets into None;
+                # The v2 runner turns empty sets into None;
                 # the v1 runner passes them on as they are.
                 empty: set[str] | None = (
                     None if self.model_runner == "v2" else set()

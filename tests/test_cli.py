@@ -17,7 +17,7 @@ import pytest
 
 from connector import cli
 from connector.config import StoreConfig
-from connector.keys import KeyScheme, Layout
+from connector.keys import KeyLayout, KeyScheme
 from connector.master import MasterPorts, process_alive
 from connector.store import Outcome, StoreClient
 from lifecycle import kv, pd, render
@@ -122,7 +122,7 @@ def test_master_config_connects_a_real_client_and_sigterm_stops_it(
             model="cli",
             tp_rank=0,
             tp_size=1,
-            layout=Layout("uint8", 16, BLOCK),
+            layout=KeyLayout("uint8", 16, BLOCK),
         ).keys(range(4))
         src = kv_blocks(client, 4, BLOCK, seed=1)
         dst = kv_blocks(client, 4, BLOCK, seed=2)

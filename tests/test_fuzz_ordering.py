@@ -78,7 +78,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from connector.keys import KeyScheme, Layout
+from connector.keys import KeyLayout, KeyScheme
 from connector.metadata import JobKind, JobResult, TransferJob, WorkerReport
 from connector.scheduler import Role, SchedulerSide
 from connector.store import Regions
@@ -199,7 +199,9 @@ class Env:
                 model="fuzz",
                 tp_rank=rank,
                 tp_size=tp,
-                layout=Layout("uint8", BS, LAYERS * LAYER_BYTES, detail="2l"),
+                layout=KeyLayout(
+                    "uint8", BS, LAYERS * LAYER_BYTES, detail="2l"
+                ),
             )
             for rank in range(tp)
         ]

@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from connector.errors import KeySchemeError
-from connector.keys import SEPARATOR, KeyScheme, Layout
+from connector.keys import SEPARATOR, KeyLayout, KeyScheme
 
-LAYOUT = Layout("bfloat16", 16, 2 * 1024 * 1024, "L32")
+LAYOUT = KeyLayout("bfloat16", 16, 2 * 1024 * 1024, "L32")
 HASH = bytes(range(32))
 
 
@@ -63,10 +63,10 @@ class TestKey:
             {"tp_size": 2, "tp_rank": 1},
             {"pp_size": 2},
             {"kv_group": 1},
-            {"layout": Layout("float16", 16, 2 * 1024 * 1024, "L32")},
-            {"layout": Layout("bfloat16", 32, 2 * 1024 * 1024, "L32")},
-            {"layout": Layout("bfloat16", 16, 1024 * 1024, "L32")},
-            {"layout": Layout("bfloat16", 16, 2 * 1024 * 1024, "L16")},
+            {"layout": KeyLayout("float16", 16, 2 * 1024 * 1024, "L32")},
+            {"layout": KeyLayout("bfloat16", 32, 2 * 1024 * 1024, "L32")},
+            {"layout": KeyLayout("bfloat16", 16, 1024 * 1024, "L32")},
+            {"layout": KeyLayout("bfloat16", 16, 2 * 1024 * 1024, "L16")},
         ],
     )
     def test_every_component_separates(self, change):
@@ -149,7 +149,7 @@ class TestValidation:
     def test_bad_layout(self, fields, component):
         base = {"dtype": "uint8", "block_tokens": 16, "block_bytes": 1}
         with pytest.raises(KeySchemeError) as info:
-            Layout(**{**base, **fields})
+            KeyLayout(**{**base, **fields})
         assert component == info.value.component
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.keys import KeyScheme, Layout
+from connector.keys import KeyLayout, KeyScheme
 from connector.vllm_connector import _StoreLookup
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.vllm]
@@ -20,7 +20,7 @@ def test_a_block_shared_by_prefixes_is_asked_for_once(
         model="m",
         tp_rank=0,
         tp_size=1,
-        layout=Layout("uint8", 16, BLOCK),
+        layout=KeyLayout("uint8", 16, BLOCK),
     )
     asked: list[list[str]] = []
 

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from connector.keys import KeyScheme, Layout
+from connector.keys import KeyLayout, KeyScheme
 from connector.scheduler import Role, SchedulerSide
 from tests.scheduler_guard import StoreCallInSchedulerHook
 
@@ -54,7 +54,7 @@ def _side(store_client, *, threaded: bool) -> SchedulerSide:
         model="m",
         tp_rank=0,
         tp_size=1,
-        layout=Layout("uint8", BS, 64, detail="x"),
+        layout=KeyLayout("uint8", BS, 64, detail="x"),
     )
     return SchedulerSide(
         block_size=BS,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.keys import KeyScheme, Layout
+from connector.keys import KeyLayout, KeyScheme
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from connector.store import Regions
 from connector.worker import KVLayout, WorkerSide
@@ -122,7 +122,7 @@ def test_pickle_payload_loads_as_bytes(store_client, kv_blocks, tmp_path):
         model="m",
         tp_rank=0,
         tp_size=1,
-        layout=Layout("uint8", 16, block),
+        layout=KeyLayout("uint8", 16, block),
     )
     src = kv_blocks(store_client, 1, block)
     src.tensor[0] = torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -12,7 +12,7 @@ import torch
 from benchmarks.blackhole import Blackhole
 from connector.config import MiB, StoreConfig
 from connector.errors import StoreUnavailable
-from connector.keys import KeyScheme, Layout
+from connector.keys import KeyLayout, KeyScheme
 from connector.store import (
     DEAD_MASTER_STALL_S,
     BreakerState,
@@ -48,7 +48,7 @@ def fault_env(start_master, kv_blocks):
         model="m",
         tp_rank=0,
         tp_size=1,
-        layout=Layout("uint8", 16, BLOCK),
+        layout=KeyLayout("uint8", 16, BLOCK),
     ).keys(range(8))
     assert client.put(keys, src.regions(range(8))).ok
     yield master, client, src, keys
@@ -223,7 +223,7 @@ def test_blackholed_master_then_restored(start_master, kv_blocks):
                 model="m",
                 tp_rank=0,
                 tp_size=1,
-                layout=Layout("uint8", 16, BLOCK),
+                layout=KeyLayout("uint8", 16, BLOCK),
             ).keys(range(8))
             assert client.put(keys, src.regions(range(8))).ok
             hole.drop()

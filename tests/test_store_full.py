@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from connector.config import MiB, StoreConfig
-from connector.keys import KeyScheme, Layout
+from connector.keys import KeyLayout, KeyScheme
 from connector.store import Outcome, StoreClient
 
 pytestmark = pytest.mark.mooncake
@@ -30,7 +30,7 @@ def test_store_full_then_eviction(start_master, kv_blocks):
             model="m",
             tp_rank=0,
             tp_size=1,
-            layout=Layout("uint8", 16, BLOCK),
+            layout=KeyLayout("uint8", 16, BLOCK),
         ).keys(range(200))
 
         outcomes: list[Outcome] = []

@@ -9,7 +9,7 @@ import attrs
 import pytest
 import torch
 
-from connector.keys import KeyScheme, Layout
+from connector.keys import KeyLayout, KeyScheme
 from connector.store import Regions
 
 pytestmark = pytest.mark.mooncake
@@ -30,7 +30,7 @@ def keys_for(namespace: str, role: str) -> list[str]:
         model=f"mp-{role}",
         tp_rank=0,
         tp_size=1,
-        layout=Layout("uint8", 16, BLOCK),
+        layout=KeyLayout("uint8", 16, BLOCK),
     ).keys(range(N))
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from connector.errors import RegionError, RegistrationError
-from connector.keys import KeyScheme, Layout
+from connector.keys import KeyLayout, KeyScheme
 from connector.store import BreakerState, Op, Outcome, Regions
 
 pytestmark = pytest.mark.mooncake
@@ -20,7 +20,7 @@ def scheme(unique, namespace="tests", model="model-a", block_bytes=BLOCK):
         model=model,
         tp_rank=0,
         tp_size=1,
-        layout=Layout("uint8", 16, block_bytes),
+        layout=KeyLayout("uint8", 16, block_bytes),
     )
 
 

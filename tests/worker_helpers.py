@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from connector.keys import KeyScheme, Layout
+from connector.keys import KeyLayout, KeyScheme
 from connector.metadata import ConnectorMeta, TransferJob
 from connector.store import Regions
 from connector.worker import WorkerSide
@@ -110,7 +110,7 @@ def make_worker(
         model="m",
         tp_rank=0,
         tp_size=1,
-        layout=Layout(
+        layout=KeyLayout(
             str(probe.dtype).removeprefix("torch."),
             block_tokens=tokens,
             block_bytes=block_bytes,

@@ -251,8 +251,8 @@ def _extra_config(mode: str, master: Any) -> dict[str, Any]:
 
 
 _CLASSES = {
-    "none": "tests.reference_connectors.NoopConnector",
-    "noop": "tests.reference_connectors.NoopConnector",
+    "none": "harness.noop.NoopConnector",
+    "noop": "harness.noop.NoopConnector",
     "ours": "connector.MooncakeLifecycleConnector",
     "theirs": f"{_THEIRS}.connector.MooncakeStoreConnector",
 }

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 RSS_GOAL_PCT = 5.0
 BASELINE_SLACK_PTS = 0.5
-NOOP: Final = "tests.reference_connectors.NoopConnector"
+NOOP: Final = "harness.noop.NoopConnector"
 _STATUS = Path("/proc/self/status")
 
 

@@ -1,6 +1,6 @@
 """Workload fuzzer over a hybrid KV cache config (vLLM's HMA).
 
-Each seed builds two `tests.hybrid_harness.HybridHarness` instances on one
+Each seed builds two `harness.hybrid.HybridHarness` instances on one
 master (vLLM's real Scheduler, a full-attention and a sliding-window
 group, window and pool sizes drawn per seed) and plays a random workload
 on them: prompts from a few shared-prefix families, arrivals on either

@@ -1,7 +1,7 @@
 """`connector.groups` against vLLM 0.33's own hybrid rules.
 
 The hit rule is checked against vLLM's real `HybridKVCacheCoordinator`
-(built by vLLM's Scheduler over `tests.hybrid_harness`'s two groups) on
+(built by vLLM's Scheduler over `harness.hybrid`'s two groups) on
 random store contents; the group kinds vLLM can hand the connector are
 accepted or refused at start-up with every group named.
 """

@@ -1,6 +1,6 @@
 """Hybrid models: the connector under vLLM 0.33's hybrid KV cache manager.
 
-Every scenario runs `tests.hybrid_harness.HybridHarness`: vLLM's real
+Every scenario runs `harness.hybrid.HybridHarness`: vLLM's real
 Scheduler over a full-attention group and a sliding-window group (one
 block pool, different block counts per request: the window frees its old
 blocks), with `connector.MooncakeLifecycleConnector` over a real master.

@@ -6,7 +6,6 @@
 - the JSON file named by ``MOONCAKE_CONFIG_PATH``, in the format of vLLM's
   own ``MooncakeStoreConnector`` (``from_file`` / ``from_env``);
 - both, the dict overriding the file (``from_vllm``);
-- a running ``EmbeddedMaster`` (``for_master``, tests and demos).
 
 Every bad or missing value raises ``ConfigError`` naming the key.
 Unknown keys are logged as warnings and otherwise ignored.
@@ -25,7 +24,7 @@ import re
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFIG_PATH_ENV",
-    "MasterAddresses",
     "StoreConfig",
     "TraceConfig",
     "parse_size",
@@ -290,20 +288,6 @@ def _check_log_level(
         raise ConfigError(field.name, value, reason)
 
 
-class MasterAddresses(Protocol):
-    """What ``StoreConfig.for_master`` needs of a master (duck-typed)."""
-
-    @property
-    def rpc_address(self) -> str:
-        """``host:port`` of the master's RPC service."""
-        ...  # pragma: no cover
-
-    @property
-    def metadata_server(self) -> str:
-        """Transfer-engine metadata server URL."""
-        ...  # pragma: no cover
-
-
 @attrs.frozen(kw_only=True)
 class StoreConfig:
     """Everything the store client needs, validated on construction.
@@ -313,8 +297,8 @@ class StoreConfig:
     ``MooncakeStoreConfig`` (``protocol="rdma"``, 4 GiB segment and
     buffer). Construction, ``attrs.evolve`` and every ``from_*`` raise
     ``ConfigError`` naming the first bad key. The constructor takes typed
-    values (sizes as ints); ``from_*`` and ``for_master`` also parse size
-    strings such as ``"4GB"``.
+    values (sizes as ints); ``from_*`` also parse size strings such as
+    ``"4GB"``.
 
     Attributes:
         master_server_address: ``host:port`` of ``mooncake_master`` RPC.
@@ -514,35 +498,6 @@ class StoreConfig:
             source="kv_connector_extra_config and MOONCAKE_CONFIG_PATH",
             ignore=CONNECTOR_KEYS | frozenset(ignore),
         )
-
-    @classmethod
-    def for_master(
-        cls, master: MasterAddresses, **overrides: Any
-    ) -> StoreConfig:
-        """A loopback TCP config for an embedded (test or demo) master.
-
-        Defaults: 256 MiB segment, 16 MiB buffer, ``127.0.0.1``, 2 s RPC
-        timeout, one setup attempt, ``MC_LOG_LEVEL=ERROR``.
-        ``overrides`` are field names and are validated like the rest.
-        """
-        values: dict[str, object] = {
-            "master_server_address": master.rpc_address,
-            "metadata_server": master.metadata_server,
-            "protocol": "tcp",
-            "device_name": "",
-            "global_segment_size": 256 * MiB,
-            "local_buffer_size": 16 * MiB,
-            "local_hostname": "127.0.0.1",
-            "rpc_timeout_ms": 2000,
-            "setup_retries": 1,
-            "log_level": "ERROR",
-        }
-        values.update(overrides)
-        fields = attrs.fields_dict(cls)
-        for key, value in values.items():
-            if key not in fields:
-                raise ConfigError(key, value, "not a StoreConfig field")
-        return _build(values, values)
 
     # -- derived -----------------------------------------------------------
 

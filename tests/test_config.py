@@ -17,6 +17,7 @@ from connector.config import (
     parse_size,
 )
 from connector.errors import ConfigError
+from connector.master import store_config_for
 
 BASE = {
     "master_server_address": "10.0.0.1:50051",
@@ -283,9 +284,9 @@ class TestSources:
             StoreConfig.from_vllm({"protocol": "tcp"}, {})
         assert info.value.key == "master_server_address"
 
-    def test_for_master(self):
+    def test_store_config_for_master(self):
         """A loopback TCP config for an embedded master, with overrides."""
-        config = StoreConfig.for_master(
+        config = store_config_for(
             FakeMaster(), global_segment_size="64MiB", namespace="n"
         )
         assert FakeMaster.rpc_address == config.master_server_address
@@ -295,9 +296,9 @@ class TestSources:
         assert config.local_hostname == "127.0.0.1"
         assert config.log_level == "ERROR"
 
-    def test_for_master_rejects_unknown_fields(self):
+    def test_store_config_for_rejects_unknown_fields(self):
         with pytest.raises(ConfigError) as info:
-            StoreConfig.for_master(FakeMaster(), segment=1)
+            store_config_for(FakeMaster(), segment=1)
         assert info.value.key == "segment"
 
     def test_errors_pickle(self):

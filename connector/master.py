@@ -4,8 +4,8 @@ Part of the product, decided once: ``kv-lifecycle master``
 (``connector.cli``) is an operator command that runs a single-node master
 through this module, so it stays in ``connector/`` (and ships in the wheel)
 with its errors in ``connector.errors`` and its config constructor
-(``store_config_for``) beside it, rather than moving to the test harness.  Tests, demos and
-benchmarks use it too, through the same public API.
+(``store_config_for``) beside it, rather than moving to the test harness.
+Tests, demos and benchmarks use it too, through the same public API.
 
 ``EmbeddedMaster`` starts the master binary shipped in the Mooncake wheel on
 chosen or free loopback ports, waits until it serves requests, forwards its

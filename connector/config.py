@@ -564,7 +564,7 @@ def _build(
         key = (
             spelled[name] if name in spelled and name not in original else name
         )
-        coerced[name] = _COERCE.get(name, _keep)(key, value)
+        coerced[name] = _COERCE[name](key, value)
     try:
         return StoreConfig(**coerced)
     except ConfigError as exc:
@@ -574,10 +574,7 @@ def _build(
         raise
 
 
-def _keep(_: str, value: object) -> object:
-    return value
-
-
+# Each field's coercion from config values, by field name.
 _COERCE: Final[dict[str, Coerce]] = {
     f.name: f.metadata["coerce"] for f in attrs.fields(StoreConfig)
 }

@@ -242,7 +242,7 @@ def check_protocol(_: object, field: attrs.Attribute[str], value: str) -> None:
 
 def check_segment(_: object, field: attrs.Attribute[int], value: int) -> None:
     """0 (a pure client) or 16 MiB .. 1 TiB."""
-    # NOTE(reliab): Mooncake 0.3.13's setup() fails with -600 for a segment
+    # Mooncake 0.3.13's setup() fails with -600 for a segment
     # under 16 MiB; say so here instead of as an unreachable master.
     if value != 0 and not MIN_SEGMENT <= value <= TiB:
         reason = "must be 0 (pure client) or between 16 MiB and 1 TiB"

@@ -119,11 +119,12 @@ class PrefixWriter:
     def __init__(self, master: Any, namespace: str) -> None:
         import torch  # noqa: PLC0415
 
-        from connector.config import MiB, StoreConfig  # noqa: PLC0415
+        from connector.config import MiB  # noqa: PLC0415
+        from connector.master import store_config_for  # noqa: PLC0415
         from connector.store import StoreClient  # noqa: PLC0415
 
         self.client = StoreClient.open(
-            StoreConfig.for_master(
+            store_config_for(
                 master, global_segment_size=64 * MiB, namespace=namespace
             )
         )

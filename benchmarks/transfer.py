@@ -33,8 +33,8 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import torch
 
-from connector.config import KiB, MiB, StoreConfig
-from connector.master import EmbeddedMaster
+from connector.config import KiB, MiB
+from connector.master import EmbeddedMaster, store_config_for
 from connector.store import Regions, StoreClient
 
 if TYPE_CHECKING:
@@ -241,7 +241,7 @@ def run(reps_small: int, reps_large: int, segment: int) -> dict[str, Any]:
     started = time.monotonic()
     capacity = max(block * batch for block, batch in ROWS)
     with EmbeddedMaster(log_level=logging.DEBUG) as master:
-        config = StoreConfig.for_master(
+        config = store_config_for(
             master,
             global_segment_size=segment,
             local_buffer_size=16 * MiB,

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from connector.config import MiB, StoreConfig
-from connector.master import EmbeddedMaster
+from connector.master import EmbeddedMaster, store_config_for
 from e2e.engine import (
     OBSERVED_CONNECTOR,
     OBSERVED_CONNECTOR_MODULE,
@@ -157,7 +157,7 @@ def measure_engine(
 def _store(nbytes: int) -> tuple[EmbeddedMaster, StoreConfig]:
     master = EmbeddedMaster()
     master.start()
-    config = StoreConfig.for_master(
+    config = store_config_for(
         master,
         global_segment_size=max(256 * MiB, 4 * nbytes),
         local_buffer_size=16 * MiB,

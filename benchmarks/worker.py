@@ -33,9 +33,9 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 import torch
 
-from connector.config import KiB, MiB, StoreConfig
+from connector.config import KiB, MiB
 from connector.keys import KeyLayout, KeyScheme
-from connector.master import EmbeddedMaster
+from connector.master import EmbeddedMaster, store_config_for
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from connector.store import Regions, StoreClient
 from connector.worker import WorkerSide
@@ -193,7 +193,7 @@ def run(reps: int, segment: int) -> dict[str, Any]:
     started = time.monotonic()
     rows = []
     with EmbeddedMaster() as master:
-        config = StoreConfig.for_master(
+        config = store_config_for(
             master, global_segment_size=segment, local_buffer_size=16 * MiB
         )
         with StoreClient.open(config) as client:

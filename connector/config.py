@@ -5,11 +5,12 @@
 - vLLM's ``kv_connector_extra_config`` dict (``from_extra_config``);
 - the JSON file named by ``MOONCAKE_CONFIG_PATH``, in the format of vLLM's
   own ``MooncakeStoreConnector`` (``from_file`` / ``from_env``);
-- both, the dict overriding the file (``from_vllm``);
-- a running ``EmbeddedMaster`` (``for_master``, tests and demos).
+- both, the dict overriding the file (``from_vllm``).
 
 Every bad or missing value raises ``ConfigError`` naming the key.
-Unknown keys are logged as warnings and otherwise ignored.
+Unknown keys are logged as warnings and otherwise ignored; keys of vLLM's
+``MooncakeStoreConnector`` that this connector does not implement
+(``VLLM_UNIMPLEMENTED_KEYS``) are named in one warning.
 
 Sizes accept ints or strings such as ``"4GB"``, ``"512MiB"``, ``"3.125 gb"``
 or ``"1024"``. As in vLLM, ``KB``/``MB``/``GB``/``TB`` are *binary* units:
@@ -21,14 +22,34 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-from collections.abc import Callable
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import attrs
 
+from connector.config_values import (
+    Coerce,
+    GiB,
+    KiB,
+    MiB,
+    check_buffer,
+    check_local_hostname,
+    check_log_level,
+    check_master_address,
+    check_metadata_server,
+    check_namespace,
+    check_protocol,
+    check_segment,
+    coerce_int,
+    coerce_level,
+    coerce_path,
+    coerce_str,
+    config_key,
+    key_help,
+    of_type,
+    parse_size,
+    positive,
+)
 from connector.errors import ConfigError
 from lifecycle.trace import DEFAULT_MAX_EVENTS
 
@@ -37,7 +58,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFIG_PATH_ENV",
-    "MasterAddresses",
+    "CONNECTOR_KEYS",
+    "VLLM_UNIMPLEMENTED_KEYS",
+    "GiB",
+    "KiB",
+    "LookupConfig",
+    "MiB",
     "StoreConfig",
     "TraceConfig",
     "parse_size",
@@ -47,37 +73,11 @@ log = logging.getLogger(__name__)
 
 CONFIG_PATH_ENV: Final = "MOONCAKE_CONFIG_PATH"
 
-KiB: Final = 1024
-MiB: Final = 1024 * KiB
-GiB: Final = 1024 * MiB
-TiB: Final = 1024 * GiB
-MIN_SEGMENT: Final = 16 * MiB  # the smallest segment Mooncake sets up
 
-_UNITS: Final[dict[str, int]] = {
-    "": 1,
-    "b": 1,
-    "k": KiB,
-    "kb": KiB,
-    "kib": KiB,
-    "m": MiB,
-    "mb": MiB,
-    "mib": MiB,
-    "g": GiB,
-    "gb": GiB,
-    "gib": GiB,
-    "t": TiB,
-    "tb": TiB,
-    "tib": TiB,
-}
-_SIZE_RE: Final = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-PROTOCOLS: Final = frozenset({"tcp", "rdma", "efa", "cxl", "nvlink", "ascend"})
-LOG_LEVELS: Final = frozenset({"TRACE", "INFO", "WARNING", "ERROR"})
-_METADATA_SCHEMES: Final = frozenset({"http", "https", "etcd", "redis"})
-
-# Keys of vLLM's kv_connector_extra_config that belong to the connector,
-# not to the store: accepted silently by ``from_extra_config``.
-CONNECTOR_KEYS: Final = frozenset(
+# Keys of vLLM's own MooncakeStoreConnector that this connector does not
+# implement: accepted (one extra config serves both connectors) and named
+# in one warning when a config is read.
+VLLM_UNIMPLEMENTED_KEYS: Final = frozenset(
     {
         "load_async",
         "lookup_async",
@@ -91,12 +91,6 @@ CONNECTOR_KEYS: Final = frozenset(
         "prefill_tp_sizes",
         "enable_group_semantics",
         "custom_mem_pool",
-        "mooncake_config_path",
-        "lifecycle_trace",
-        "lifecycle_trace_max_events",
-        "lookup_timeout_ms",
-        "lookup_max_pending",
-        "failed_load_ttl_s",
     }
 )
 # Keys that vLLM's or Mooncake's own loaders understand but this client
@@ -117,193 +111,6 @@ UNSUPPORTED_KEYS: Final = frozenset(
 _ALIASES: Final[dict[str, str]] = {"cache_prefix": "namespace"}
 
 
-def parse_size(key: str, value: object) -> int:
-    """Parse a byte size given as an int or a string like ``"512MiB"``.
-
-    Raises:
-        ConfigError: naming ``key`` if ``value`` is not a non-negative
-            whole number of bytes.
-    """
-    if isinstance(value, bool):
-        raise ConfigError(key, value, "expected a size, not a boolean")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(key, value, "a size cannot be negative")
-        return value
-    if isinstance(value, float):
-        if not value.is_integer() or value < 0:
-            raise ConfigError(key, value, "expected a whole number of bytes")
-        return int(value)
-    if not isinstance(value, str):
-        reason = "expected an int or a string such as '4GB' or '512MiB'"
-        raise ConfigError(key, value, reason)
-    match = _SIZE_RE.match(value)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        reason = "expected a size such as 4GB, 512MiB, 64MB or 1048576"
-        raise ConfigError(key, value, reason)
-    try:
-        amount = Decimal(match.group(1)) * _UNITS[unit]
-    except InvalidOperation:  # pragma: no cover - the regex excludes it
-        reason = "not a number"
-        raise ConfigError(key, value, reason) from None
-    if amount != amount.to_integral_value():
-        raise ConfigError(key, value, "not a whole number of bytes")
-    return int(amount)
-
-
-def _coerce_size(key: str, value: object) -> int:
-    return parse_size(key, value)
-
-
-def _coerce_int(key: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(key, value, "expected an integer")
-    return value
-
-
-def _coerce_str(key: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(key, value, "expected a string")
-    return value.strip()
-
-
-def _coerce_level(key: str, value: object) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise ConfigError(key, value, "expected a string or null")
-    return value.strip().upper()
-
-
-_Validator = Callable[[object, "attrs.Attribute[Any]", Any], None]
-
-
-def _of_type(*types: type) -> _Validator:
-    """Attrs validator: ``isinstance`` check raising ``ConfigError``."""
-    names = " or ".join(
-        "null" if t is type(None) else t.__name__ for t in types
-    )
-
-    def check(_: object, field: attrs.Attribute[Any], value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, types):
-            raise ConfigError(field.name, value, f"expected {names}")
-
-    return check
-
-
-def _split_host_port(key: str, value: str, *, need_port: bool) -> None:
-    """Validate ``host[:port]`` (``[v6]:port`` allowed)."""
-    if not value:
-        raise ConfigError(key, value, "must not be empty")
-    if "://" in value or "/" in value:
-        raise ConfigError(key, value, "expected host:port without a scheme")
-    host, sep, port = value.rpartition(":")
-    if not sep or (host.startswith("[") != host.endswith("]")):
-        host, port = value, ""
-    if not host or host == "[]":
-        raise ConfigError(key, value, "the host part is empty")
-    if not port:
-        if need_port:
-            raise ConfigError(key, value, "expected host:port (port missing)")
-        return
-    if not port.isdigit() or not 1 <= int(port) <= 65535:  # noqa: PLR2004
-        raise ConfigError(key, value, "the port must be 1..65535")
-
-
-def _check_master_address(
-    _: object, field: attrs.Attribute[str], value: str
-) -> None:
-    _split_host_port(field.name, value, need_port=True)
-
-
-def _check_local_hostname(
-    _: object, field: attrs.Attribute[str], value: str
-) -> None:
-    if value:
-        _split_host_port(field.name, value, need_port=False)
-
-
-def _check_metadata_server(
-    _: object, field: attrs.Attribute[str], value: str
-) -> None:
-    key = field.name
-    if not value:
-        raise ConfigError(key, value, "must not be empty")
-    if value == "P2PHANDSHAKE":
-        return
-    scheme, sep, rest = value.partition("://")
-    if not sep:
-        # Bare "host:port" means an etcd endpoint to Mooncake.
-        _split_host_port(key, value, need_port=True)
-        return
-    if scheme.lower() not in _METADATA_SCHEMES:
-        reason = (
-            "expected P2PHANDSHAKE, host:port (etcd) or an "
-            "http://, https://, etcd:// or redis:// URL"
-        )
-        raise ConfigError(key, value, reason)
-    if not rest.split("/", 1)[0]:
-        raise ConfigError(key, value, "the URL has no host")
-
-
-def _check_protocol(
-    _: object, field: attrs.Attribute[str], value: str
-) -> None:
-    if value not in PROTOCOLS:
-        reason = f"expected one of {sorted(PROTOCOLS)}"
-        raise ConfigError(field.name, value, reason)
-
-
-def _check_segment(_: object, field: attrs.Attribute[int], value: int) -> None:
-    # NOTE(reliab): Mooncake 0.3.13's setup() fails with -600 for a segment
-    # under 16 MiB; say so here instead of as an unreachable master.
-    if value != 0 and not MIN_SEGMENT <= value <= TiB:
-        reason = "must be 0 (pure client) or between 16 MiB and 1 TiB"
-        raise ConfigError(field.name, value, reason)
-
-
-def _check_buffer(_: object, field: attrs.Attribute[int], value: int) -> None:
-    if value > TiB:
-        raise ConfigError(field.name, value, "must be at most 1 TiB")
-
-
-def _positive(_: object, field: attrs.Attribute[int], value: int) -> None:
-    if value <= 0:
-        raise ConfigError(field.name, value, "must be positive")
-
-
-def _check_namespace(
-    _: object, field: attrs.Attribute[str], value: str
-) -> None:
-    if len(value) > 128:  # noqa: PLR2004
-        raise ConfigError(field.name, value, "at most 128 characters")
-    if any(not ch.isprintable() for ch in value):
-        raise ConfigError(field.name, value, "must be printable text")
-
-
-def _check_log_level(
-    _: object, field: attrs.Attribute[str | None], value: str | None
-) -> None:
-    if value is not None and value not in LOG_LEVELS:
-        reason = f"expected one of {sorted(LOG_LEVELS)} or null"
-        raise ConfigError(field.name, value, reason)
-
-
-class MasterAddresses(Protocol):
-    """What ``StoreConfig.for_master`` needs of a master (duck-typed)."""
-
-    @property
-    def rpc_address(self) -> str:
-        """``host:port`` of the master's RPC service."""
-        ...  # pragma: no cover
-
-    @property
-    def metadata_server(self) -> str:
-        """Transfer-engine metadata server URL."""
-        ...  # pragma: no cover
-
-
 @attrs.frozen(kw_only=True)
 class StoreConfig:
     """Everything the store client needs, validated on construction.
@@ -313,85 +120,131 @@ class StoreConfig:
     ``MooncakeStoreConfig`` (``protocol="rdma"``, 4 GiB segment and
     buffer). Construction, ``attrs.evolve`` and every ``from_*`` raise
     ``ConfigError`` naming the first bad key. The constructor takes typed
-    values (sizes as ints); ``from_*`` and ``for_master`` also parse size
-    strings such as ``"4GB"``.
+    values (sizes as ints); ``from_*`` also parse size strings such as
+    ``"4GB"``.
 
-    Attributes:
-        master_server_address: ``host:port`` of ``mooncake_master`` RPC.
-        metadata_server: transfer-engine metadata, e.g.
-            ``http://host:8080/metadata`` or ``P2PHANDSHAKE``.
-        protocol: ``tcp`` or ``rdma`` (``efa``, ... pass through).
-        device_name: RDMA NIC list (``""`` for TCP or auto-discovery).
-        global_segment_size: bytes this client contributes to the pool
-            (0 = pure client).
-        local_buffer_size: client staging buffer (unused by zero-copy
-            calls, but allocated).
-        local_hostname: ``ip`` or ``ip:port`` this client is reached at;
-            ``""`` picks the local address that routes to the master.
-        namespace: cache prefix; keys of different namespaces never meet
-            (``cache_prefix`` in vLLM's extra config).
-        rpc_timeout_ms: bound of one master RPC, ``MC_RPC_TIMEOUT_MS``.
-        setup_retries: ``MC_STORE_CLIENT_SETUP_RETRIES`` (setup bound).
-        breaker_probe_ms: how often an open circuit breaker lets one call
-            through to test whether the master is back.
-        close_timeout_ms: bound of ``close()``.
-        replica_num: memory replicas per object (best effort).
-        log_level: ``MC_LOG_LEVEL`` for the client (``None`` leaves it).
+    Each field declares its key's type, default, validation, help text and
+    coercion from config values (``metadata``); the docs reference and the
+    README table are generated from them.
     """
 
     master_server_address: str = attrs.field(
-        validator=[_of_type(str), _check_master_address],
+        validator=[of_type(str), check_master_address],
+        metadata=key_help(
+            "``host:port`` of the ``mooncake_master`` RPC service.",
+            coerce_str,
+        ),
     )
     metadata_server: str = attrs.field(
-        validator=[_of_type(str), _check_metadata_server],
+        validator=[of_type(str), check_metadata_server],
+        metadata=key_help(
+            "Transfer-engine metadata: ``http://host:8080/metadata``, "
+            "``etcd://host:2379``, ``redis://host:6379`` or ``P2PHANDSHAKE``.",
+            coerce_str,
+        ),
     )
     protocol: str = attrs.field(
         default="rdma",
-        validator=[_of_type(str), _check_protocol],
+        validator=[of_type(str), check_protocol],
+        metadata=key_help(
+            "``tcp`` or ``rdma`` (``efa``, ``cxl``, ``nvlink``, ``ascend`` "
+            "pass through to Mooncake).",
+            coerce_str,
+        ),
     )
     device_name: str = attrs.field(
         default="",
-        validator=_of_type(str),
+        validator=of_type(str),
+        metadata=key_help(
+            'RDMA NICs, e.g. ``"mlx5_0,mlx5_1"``; ``""`` for TCP or '
+            "auto-discovery.",
+            coerce_str,
+        ),
     )
     global_segment_size: int = attrs.field(
         default=4 * GiB,
-        validator=[_of_type(int), _check_segment],
+        validator=[of_type(int), check_segment],
+        metadata=key_help(
+            "Memory this worker contributes to the pool; ``0`` is a pure "
+            'client. Ints or strings (``"32GB"`` is 32 GiB, as in vLLM).',
+            parse_size,
+        ),
     )
     local_buffer_size: int = attrs.field(
         default=4 * GiB,
-        validator=[_of_type(int), _check_buffer],
+        validator=[of_type(int), check_buffer],
+        metadata=key_help(
+            "Mooncake's staging buffer (allocated, unused by this client's "
+            "zero-copy calls: keep it small).",
+            parse_size,
+        ),
     )
     local_hostname: str = attrs.field(
         default="",
-        validator=[_of_type(str), _check_local_hostname],
+        validator=[of_type(str), check_local_hostname],
+        metadata=key_help(
+            "Address other nodes reach this worker at (``ip`` or "
+            '``ip:port``); ``""`` picks the local address that routes to '
+            "the master.",
+            coerce_str,
+        ),
     )
     namespace: str = attrs.field(
         default="",
-        validator=[_of_type(str), _check_namespace],
+        validator=[of_type(str), check_namespace],
+        metadata=key_help(
+            "Key prefix separating deployments that share a master "
+            "(alias ``cache_prefix``).",
+            coerce_str,
+        ),
     )
     rpc_timeout_ms: int = attrs.field(
         default=5000,
-        validator=[_of_type(int), _positive],
+        validator=[of_type(int), positive],
+        metadata=key_help(
+            "Bound of one master RPC (``MC_RPC_TIMEOUT_MS``): what a hung "
+            "master costs.",
+            coerce_int,
+        ),
     )
     setup_retries: int = attrs.field(
         default=3,
-        validator=[_of_type(int), _positive],
+        validator=[of_type(int), positive],
+        metadata=key_help(
+            "Attempts to reach the master at start-up "
+            "(``MC_STORE_CLIENT_SETUP_RETRIES``).",
+            coerce_int,
+        ),
     )
     breaker_probe_ms: int = attrs.field(
         default=1000,
-        validator=[_of_type(int), _positive],
+        validator=[of_type(int), positive],
+        metadata=key_help(
+            "While the circuit breaker is open, one call per interval tests "
+            "whether the master is back.",
+            coerce_int,
+        ),
     )
     close_timeout_ms: int = attrs.field(
         default=5000,
-        validator=[_of_type(int), _positive],
+        validator=[of_type(int), positive],
+        metadata=key_help("Bound of closing the store client.", coerce_int),
     )
     replica_num: int = attrs.field(
         default=1,
-        validator=[_of_type(int), _positive],
+        validator=[of_type(int), positive],
+        metadata=key_help(
+            "Memory replicas per stored block (best effort).", coerce_int
+        ),
     )
     log_level: str | None = attrs.field(
         default=None,
-        validator=[_of_type(str, type(None)), _check_log_level],
+        validator=[of_type(str, type(None)), check_log_level],
+        metadata=key_help(
+            "``MC_LOG_LEVEL`` for the Mooncake client (``TRACE``, ``INFO``, "
+            "``WARNING``, ``ERROR``); ``null`` leaves it alone.",
+            coerce_level,
+        ),
     )
 
     # -- constructors ------------------------------------------------------
@@ -515,35 +368,6 @@ class StoreConfig:
             ignore=CONNECTOR_KEYS | frozenset(ignore),
         )
 
-    @classmethod
-    def for_master(
-        cls, master: MasterAddresses, **overrides: Any
-    ) -> StoreConfig:
-        """A loopback TCP config for an embedded (test or demo) master.
-
-        Defaults: 256 MiB segment, 16 MiB buffer, ``127.0.0.1``, 2 s RPC
-        timeout, one setup attempt, ``MC_LOG_LEVEL=ERROR``.
-        ``overrides`` are field names and are validated like the rest.
-        """
-        values: dict[str, object] = {
-            "master_server_address": master.rpc_address,
-            "metadata_server": master.metadata_server,
-            "protocol": "tcp",
-            "device_name": "",
-            "global_segment_size": 256 * MiB,
-            "local_buffer_size": 16 * MiB,
-            "local_hostname": "127.0.0.1",
-            "rpc_timeout_ms": 2000,
-            "setup_retries": 1,
-            "log_level": "ERROR",
-        }
-        values.update(overrides)
-        fields = attrs.fields_dict(cls)
-        for key, value in values.items():
-            if key not in fields:
-                raise ConfigError(key, value, "not a StoreConfig field")
-        return _build(values, values)
-
     # -- derived -----------------------------------------------------------
 
     @property
@@ -567,23 +391,54 @@ class StoreConfig:
         return env
 
 
+_T = TypeVar("_T", bound=attrs.AttrsInstance)
+
+
+def _read_keys(cls: type[_T], extra: Mapping[str, object]) -> _T:
+    """Build ``cls`` from the config keys its fields declare.
+
+    Absent keys take the field's default; values are coerced and validated
+    as the fields declare.
+
+    Raises:
+        ConfigError: naming the key of a bad value.
+    """
+    values = {}
+    for field in attrs.fields(cls):
+        key = config_key(field)
+        raw = extra.get(key, field.default)
+        values[field.name] = field.metadata["coerce"](key, raw)
+    return cls(**values)
+
+
 @attrs.frozen
 class TraceConfig:
     """The connector's lifecycle trace (off by default).
 
-    Read from ``kv_connector_extra_config`` keys ``lifecycle_trace`` (a
-    JSONL file the scheduler appends every lifecycle event to; ``{pid}``
-    in it becomes the process id, one file per engine) and
-    ``lifecycle_trace_max_events`` (event lines written at most; later
-    events are dropped, counted and logged once).
-
-    Attributes:
-        path: The trace file, or None when tracing is off.
-        max_events: The bound on event lines (positive).
+    Read from ``kv_connector_extra_config``: one key per field.
     """
 
-    path: str | None = None
-    max_events: int = DEFAULT_MAX_EVENTS
+    path: str | None = attrs.field(
+        default=None,
+        validator=of_type(str, type(None)),
+        metadata=key_help(
+            "JSONL file the scheduler appends every lifecycle event to; "
+            "``{pid}`` in it becomes the process id (one file per engine); "
+            '``null`` or ``""`` is off.',
+            coerce_path,
+            key="lifecycle_trace",
+        ),
+    )
+    max_events: int = attrs.field(
+        default=DEFAULT_MAX_EVENTS,
+        validator=[of_type(int), positive],
+        metadata=key_help(
+            "Event lines one connector writes at most; later events are "
+            "dropped, counted and logged once.",
+            coerce_int,
+            key="lifecycle_trace_max_events",
+        ),
+    )
 
     def file_for(self, pid: int) -> str | None:
         """The trace file of process `pid`: ``{pid}`` in `path` expanded."""
@@ -598,16 +453,7 @@ class TraceConfig:
         Raises:
             ConfigError: naming the key of a bad value.
         """
-        key = "lifecycle_trace"
-        path = extra.get(key)
-        if path is not None and not isinstance(path, str):
-            raise ConfigError(key, path, "expected a file path")
-        key = "lifecycle_trace_max_events"
-        raw = extra.get(key, DEFAULT_MAX_EVENTS)
-        max_events = _coerce_int(key, raw)
-        if max_events <= 0:
-            raise ConfigError(key, raw, "must be positive")
-        return cls((path or "").strip() or None, max_events)
+        return _read_keys(cls, extra)
 
 
 DEFAULT_LOOKUP_TIMEOUT_MS: Final = 50
@@ -618,18 +464,31 @@ DEFAULT_LOOKUP_MAX_PENDING: Final = 4096
 class LookupConfig:
     """Bounds of the admission lookups (off the scheduler thread).
 
-    Read from ``kv_connector_extra_config`` keys ``lookup_timeout_ms``
-    (longest a request is held back for its store lookup before it is
-    admitted as a miss) and ``lookup_max_pending`` (most requests held
-    back at once; beyond it a request is admitted as a miss at once).
-
-    Attributes:
-        timeout_ms: The hold-back bound, positive.
-        max_pending: The bound on requests held back, positive.
+    Read from ``kv_connector_extra_config``: one key per field.
     """
 
-    timeout_ms: int = DEFAULT_LOOKUP_TIMEOUT_MS
-    max_pending: int = DEFAULT_LOOKUP_MAX_PENDING
+    timeout_ms: int = attrs.field(
+        default=DEFAULT_LOOKUP_TIMEOUT_MS,
+        validator=[of_type(int), positive],
+        metadata=key_help(
+            'Longest a new request is held back (vLLM is answered "cannot '
+            'tell yet") while its prefix lookup runs off the scheduler '
+            "thread; past it the request is admitted as a miss and computes "
+            "locally.",
+            coerce_int,
+            key="lookup_timeout_ms",
+        ),
+    )
+    max_pending: int = attrs.field(
+        default=DEFAULT_LOOKUP_MAX_PENDING,
+        validator=[of_type(int), positive],
+        metadata=key_help(
+            "Most requests held back for lookups at once; beyond it a "
+            "request is admitted as a miss at once.",
+            coerce_int,
+            key="lookup_max_pending",
+        ),
+    )
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object]) -> LookupConfig:
@@ -638,17 +497,20 @@ class LookupConfig:
         Raises:
             ConfigError: naming the key of a bad value.
         """
-        values = []
-        for key, default in (
-            ("lookup_timeout_ms", DEFAULT_LOOKUP_TIMEOUT_MS),
-            ("lookup_max_pending", DEFAULT_LOOKUP_MAX_PENDING),
-        ):
-            raw = extra.get(key, default)
-            value = _coerce_int(key, raw)
-            if value <= 0:
-                raise ConfigError(key, raw, "must be positive")
-            values.append(value)
-        return cls(*values)
+        return _read_keys(cls, extra)
+
+
+# The connector's own keys of kv_connector_extra_config (not the store's),
+# and the vLLM connector's keys it accepts without implementing them.
+CONNECTOR_KEYS: Final = (
+    frozenset(
+        config_key(f)
+        for c in (TraceConfig, LookupConfig)
+        for f in attrs.fields(c)
+    )
+    | {"mooncake_config_path"}
+    | VLLM_UNIMPLEMENTED_KEYS
+)
 
 
 def _known_values(
@@ -660,6 +522,7 @@ def _known_values(
     """Pick StoreConfig fields out of ``values``; warn about the rest."""
     fields = attrs.fields_dict(StoreConfig)
     kwargs: dict[str, object] = {}
+    unimplemented: list[str] = []
     for key, value in values.items():
         if not isinstance(key, str):
             raise ConfigError(str(key), value, "keys must be strings")
@@ -669,6 +532,8 @@ def _known_values(
                 reason = f"conflicts with {name!r}={kwargs[name]!r}"
                 raise ConfigError(key, value, reason)
             kwargs[name] = value
+        elif key in VLLM_UNIMPLEMENTED_KEYS:
+            unimplemented.append(key)
         elif key in ignore:
             log.debug("%s: key %r is not a store setting", source, key)
         elif key in UNSUPPORTED_KEYS:
@@ -679,6 +544,13 @@ def _known_values(
             )
         else:
             log.warning("%s: unknown key %r ignored", source, key)
+    if unimplemented:
+        log.warning(
+            "%s: keys of vLLM's MooncakeStoreConnector that this connector "
+            "does not implement, ignored: %s",
+            source,
+            ", ".join(sorted(unimplemented)),
+        )
     return kwargs
 
 
@@ -692,7 +564,7 @@ def _build(
         key = (
             spelled[name] if name in spelled and name not in original else name
         )
-        coerced[name] = _COERCE.get(name, _keep)(key, value)
+        coerced[name] = _COERCE[name](key, value)
     try:
         return StoreConfig(**coerced)
     except ConfigError as exc:
@@ -702,25 +574,9 @@ def _build(
         raise
 
 
-def _keep(_: str, value: object) -> object:
-    return value
-
-
-_COERCE: Final[dict[str, Callable[[str, object], object]]] = {
-    "master_server_address": _coerce_str,
-    "metadata_server": _coerce_str,
-    "protocol": _coerce_str,
-    "device_name": _coerce_str,
-    "global_segment_size": _coerce_size,
-    "local_buffer_size": _coerce_size,
-    "local_hostname": _coerce_str,
-    "namespace": _coerce_str,
-    "rpc_timeout_ms": _coerce_int,
-    "setup_retries": _coerce_int,
-    "breaker_probe_ms": _coerce_int,
-    "close_timeout_ms": _coerce_int,
-    "replica_num": _coerce_int,
-    "log_level": _coerce_level,
+# Each field's coercion from config values, by field name.
+_COERCE: Final[dict[str, Coerce]] = {
+    f.name: f.metadata["coerce"] for f in attrs.fields(StoreConfig)
 }
 
 

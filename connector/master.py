@@ -3,9 +3,9 @@
 Part of the product, decided once: ``kv-lifecycle master``
 (``connector.cli``) is an operator command that runs a single-node master
 through this module, so it stays in ``connector/`` (and ships in the wheel)
-with its errors in ``connector.errors`` and its config constructor beside
-``StoreConfig``, rather than moving to the test harness.  Tests, demos and
-benchmarks use it too, through the same public API.
+with its errors in ``connector.errors`` and its config constructor
+(``store_config_for``) beside it, rather than moving to the test harness.
+Tests, demos and benchmarks use it too, through the same public API.
 
 ``EmbeddedMaster`` starts the master binary shipped in the Mooncake wheel on
 chosen or free loopback ports, waits until it serves requests, forwards its
@@ -16,7 +16,7 @@ explicit ``stop()``, and a finalizer that also runs at interpreter exit).
 Example::
 
     with EmbeddedMaster(lease_ttl_ms=500) as master:
-        config = StoreConfig.for_master(master)
+        config = store_config_for(master)
         ...
 """
 
@@ -41,11 +41,13 @@ import urllib.error
 import urllib.request
 import weakref
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Final, Self
+from typing import IO, TYPE_CHECKING, Any, Final, Protocol, Self
 
 import attrs
 
+from connector.config import StoreConfig
 from connector.errors import (
+    ConfigError,
     MasterBinaryNotFoundError,
     MasterNotRunningError,
     MasterStartError,
@@ -56,7 +58,14 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from types import TracebackType
 
-__all__ = ["EmbeddedMaster", "MasterPorts", "MasterState", "find_binary"]
+__all__ = [
+    "EmbeddedMaster",
+    "MasterAddresses",
+    "MasterPorts",
+    "MasterState",
+    "find_binary",
+    "store_config_for",
+]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +73,51 @@ BINARY_NAME = "mooncake_master"
 HOST = "127.0.0.1"
 _LOG_TAIL_LINES = 50
 _POLL_S = 0.05
+_MiB = 1024 * 1024
+
+
+class MasterAddresses(Protocol):
+    """What ``store_config_for`` needs of a master (duck-typed)."""
+
+    @property
+    def rpc_address(self) -> str:
+        """``host:port`` of the master's RPC service."""
+        ...  # pragma: no cover
+
+    @property
+    def metadata_server(self) -> str:
+        """Transfer-engine metadata server URL."""
+        ...  # pragma: no cover
+
+
+def store_config_for(master: MasterAddresses, **overrides: Any) -> StoreConfig:
+    """A loopback TCP ``StoreConfig`` for an embedded master.
+
+    Defaults: 256 MiB segment, 16 MiB buffer, ``127.0.0.1``, 2 s RPC
+    timeout, one setup attempt, ``MC_LOG_LEVEL=ERROR``. ``overrides`` are
+    field names, parsed and validated like the keys of a config file.
+
+    Raises:
+        ConfigError: an override is not a field, or a value is bad.
+    """
+    values: dict[str, object] = {
+        "master_server_address": master.rpc_address,
+        "metadata_server": master.metadata_server,
+        "protocol": "tcp",
+        "device_name": "",
+        "global_segment_size": 256 * _MiB,
+        "local_buffer_size": 16 * _MiB,
+        "local_hostname": "127.0.0.1",
+        "rpc_timeout_ms": 2000,
+        "setup_retries": 1,
+        "log_level": "ERROR",
+    }
+    values.update(overrides)
+    fields = attrs.fields_dict(StoreConfig)
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(key, value, "not a StoreConfig field")
+    return StoreConfig.from_mapping(values, source="store_config_for")
 
 
 class MasterState(enum.Enum):

@@ -37,7 +37,7 @@ import attrs
 
 from connector import clients
 from connector.config import MiB, StoreConfig
-from connector.master import EmbeddedMaster
+from connector.master import EmbeddedMaster, store_config_for
 from connector.metadata import JobKind
 from connector.scheduler import SchedulerSide
 from connector.store import Op, StoreClient
@@ -102,7 +102,7 @@ def extra_config(
     trace_max_events: int = 1_000_000,
 ) -> dict[str, Any]:
     """`kv_connector_extra_config` for a connector on the embedded master."""
-    config = StoreConfig.for_master(
+    config = store_config_for(
         master, global_segment_size=segment_size, namespace=namespace
     )
     extra: dict[str, Any] = attrs.asdict(config)

@@ -23,7 +23,12 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from connector.config import MiB, StoreConfig
 from connector.errors import MasterBinaryNotFoundError
-from connector.master import EmbeddedMaster, find_binary, process_alive
+from connector.master import (
+    EmbeddedMaster,
+    find_binary,
+    process_alive,
+    store_config_for,
+)
 from connector.store import Regions, StoreClient
 from tests.connector_helpers import store_extra
 from tests.scheduler_guard import SchedulerThreadGuard
@@ -112,7 +117,7 @@ def mooncake_master(master_binary):
 
 @pytest.fixture(scope="session")
 def store_config(mooncake_master) -> StoreConfig:
-    return StoreConfig.for_master(
+    return store_config_for(
         mooncake_master,
         global_segment_size=256 * MiB,
         namespace="tests",

@@ -6,13 +6,14 @@ import pytest
 
 from connector import clients
 from connector.config import MiB, StoreConfig
+from connector.master import store_config_for
 from connector.store import StoreClient
 
 pytestmark = pytest.mark.mooncake
 
 
 def _config(master, namespace: str = "a") -> StoreConfig:
-    return StoreConfig.for_master(
+    return store_config_for(
         master, global_segment_size=64 * MiB, namespace=namespace
     )
 

@@ -9,14 +9,19 @@ import attrs
 import pytest
 
 from connector.config import (
+    CONNECTOR_KEYS,
+    VLLM_UNIMPLEMENTED_KEYS,
     GiB,
     KiB,
     LookupConfig,
     MiB,
     StoreConfig,
+    TraceConfig,
     parse_size,
 )
+from connector.config_values import config_key
 from connector.errors import ConfigError
+from connector.master import store_config_for
 
 BASE = {
     "master_server_address": "10.0.0.1:50051",
@@ -215,17 +220,24 @@ class TestFromMapping:
 
 class TestSources:
     def test_from_extra_config_ignores_connector_keys(self, caplog):
-        """Connector keys in extra config are silent; store keys apply."""
+        """Unimplemented vLLM keys: one warning naming them; store keys
+        apply; the connector's own keys are silent."""
         extra = {
             **BASE,
             "load_async": True,
             "lookup_rpc_port": 0,
+            "lookup_timeout_ms": 20,
+            "mooncake_config_path": None,
             "cache_prefix": "team-a",
             "global_segment_size": "1GB",
         }
         with caplog.at_level(logging.WARNING, logger="connector.config"):
             config = StoreConfig.from_extra_config(extra)
-        assert not caplog.records
+        (record,) = caplog.records
+        assert record.levelno == logging.WARNING
+        message = record.getMessage()
+        assert message.endswith("ignored: load_async, lookup_rpc_port")
+        assert "lookup_timeout_ms" not in message
         assert config.namespace == "team-a"
         assert GiB == config.global_segment_size
 
@@ -283,9 +295,9 @@ class TestSources:
             StoreConfig.from_vllm({"protocol": "tcp"}, {})
         assert info.value.key == "master_server_address"
 
-    def test_for_master(self):
+    def test_store_config_for_master(self):
         """A loopback TCP config for an embedded master, with overrides."""
-        config = StoreConfig.for_master(
+        config = store_config_for(
             FakeMaster(), global_segment_size="64MiB", namespace="n"
         )
         assert FakeMaster.rpc_address == config.master_server_address
@@ -295,9 +307,9 @@ class TestSources:
         assert config.local_hostname == "127.0.0.1"
         assert config.log_level == "ERROR"
 
-    def test_for_master_rejects_unknown_fields(self):
+    def test_store_config_for_rejects_unknown_fields(self):
         with pytest.raises(ConfigError) as info:
-            StoreConfig.for_master(FakeMaster(), segment=1)
+            store_config_for(FakeMaster(), segment=1)
         assert info.value.key == "segment"
 
     def test_errors_pickle(self):
@@ -352,3 +364,43 @@ def test_lookup_keys_are_not_store_keys() -> None:
         }
     )
     assert config.master_server_address == "127.0.0.1:50051"
+
+
+def test_every_unimplemented_vllm_key_is_named_in_one_warning(caplog):
+    """All of them, from extra config and file alike, once each."""
+    extra = {**BASE, **dict.fromkeys(VLLM_UNIMPLEMENTED_KEYS, 1)}
+    with caplog.at_level(logging.WARNING, logger="connector.config"):
+        StoreConfig.from_extra_config(extra)
+        StoreConfig.from_mapping(extra)
+    assert len(caplog.records) == 2
+    for record in caplog.records:
+        named = record.getMessage().rpartition("ignored: ")[2].split(", ")
+        assert named == sorted(VLLM_UNIMPLEMENTED_KEYS)
+
+
+def test_connector_keys_derive_from_the_fields():
+    """The connector's keys are its config classes' keys, plus the file
+    path and the vLLM keys it accepts without implementing them."""
+    own = {
+        config_key(f)
+        for cls in (TraceConfig, LookupConfig)
+        for f in attrs.fields(cls)
+    }
+    assert own == {
+        "lifecycle_trace",
+        "lifecycle_trace_max_events",
+        "lookup_timeout_ms",
+        "lookup_max_pending",
+    }
+    assert (
+        own | {"mooncake_config_path"} | (VLLM_UNIMPLEMENTED_KEYS)
+        == CONNECTOR_KEYS
+    )
+    assert not CONNECTOR_KEYS & set(attrs.fields_dict(StoreConfig))
+
+
+@pytest.mark.parametrize("cls", [StoreConfig, TraceConfig, LookupConfig])
+def test_every_field_declares_help_text_and_a_coercion(cls):
+    for field in attrs.fields(cls):
+        assert len(field.metadata["doc"]) > 10, field.name
+        assert callable(field.metadata["coerce"]), field.name

@@ -14,7 +14,12 @@ from pathlib import Path
 import attrs
 import pytest
 
-from connector.config import StoreConfig, TraceConfig
+from connector.config import (
+    VLLM_UNIMPLEMENTED_KEYS,
+    LookupConfig,
+    StoreConfig,
+    TraceConfig,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
@@ -100,7 +105,7 @@ def test_configuration_reference_is_generated_from_the_fields(site) -> None:
     rows = _rows(page, "connector.config.StoreConfig")
     fields = attrs.fields(StoreConfig)
     assert [r[0] for r in rows] == [f.name for f in fields]
-    docs = attribute_docs(StoreConfig)
+    docs = {f.name: f.metadata["doc"] for f in fields}
     for row, field in zip(rows, fields, strict=True):
         if field.default is attrs.NOTHING:
             assert row[2] == "required"
@@ -121,6 +126,21 @@ def test_configuration_reference_is_generated_from_the_fields(site) -> None:
         "lifecycle_trace_max_events",
     ]
     assert trace[1][2] == str(TraceConfig().max_events)
+
+    lookup = _rows(page, "connector.config.LookupConfig")
+    assert [r[0] for r in lookup] == [
+        "lookup_timeout_ms",
+        "lookup_max_pending",
+    ]
+    for cls, table in ((TraceConfig, trace), (LookupConfig, lookup)):
+        for row, field in zip(table, attrs.fields(cls), strict=True):
+            doc = " ".join(_text(field.metadata["doc"]).split())
+            assert row[3] == doc.replace("``", "")
+    listed = re.search(r'<p class="config-keys">(.*?)</p>', page, re.DOTALL)
+    assert listed is not None
+    assert re.findall(
+        r"<span class=\"pre\">(\w+)</span>", listed.group(1)
+    ) == (sorted(VLLM_UNIMPLEMENTED_KEYS))
 
 
 def test_api_reference_documents_the_public_names(site) -> None:

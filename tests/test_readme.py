@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,15 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
             assert json.loads(cell) == want, key
         else:
             assert parse_size(key, cell) == want, key
+
+
+def test_configuration_reference_is_generated_from_the_fields() -> None:
+    """The README table is ``readme_table()`` of docs/_ext/configref.py:
+    edit the fields, then paste ``python docs/_ext/configref.py``."""
+    sys.path.insert(0, str(README.parent / "docs" / "_ext"))
+    from configref import readme_table  # noqa: PLC0415
+
+    assert readme_table() in _section("Configuration reference")
 
 
 def test_vllm_serve_example_is_a_valid_connector_config() -> None:

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from benchmarks.blackhole import Blackhole
-from connector.config import MiB, StoreConfig
+from connector.config import MiB
 from connector.errors import StoreUnavailable
 from connector.keys import KeyLayout, KeyScheme
+from connector.master import store_config_for
 from connector.store import (
     DEAD_MASTER_STALL_S,
     BreakerState,
@@ -34,7 +35,7 @@ SUCCESS = {Outcome.HIT, Outcome.STORED, Outcome.ALREADY_PRESENT}
 def fault_env(start_master, kv_blocks):
     """A private master and client (64 MiB), with 8 stored blocks."""
     master = start_master(lease_ttl_ms=500)
-    config = StoreConfig.for_master(
+    config = store_config_for(
         master,
         global_segment_size=64 * MiB,
         rpc_timeout_ms=RPC_TIMEOUT_MS,
@@ -187,7 +188,7 @@ def test_paused_master_then_resume(fault_env, kv_blocks):
 def test_open_against_dead_master_fails_fast(start_master):
     """open() raises StoreUnavailable naming the address, quickly."""
     master = start_master()
-    config = StoreConfig.for_master(master, global_segment_size=16 * MiB)
+    config = store_config_for(master, global_segment_size=16 * MiB)
     master.stop()
     started = time.monotonic()
     with pytest.raises(StoreUnavailable) as info:
@@ -205,7 +206,7 @@ def test_blackholed_master_then_restored(start_master, kv_blocks):
     master = start_master(lease_ttl_ms=500)
     with Blackhole(master.rpc_address) as hole:
         config = attrs.evolve(
-            StoreConfig.for_master(
+            store_config_for(
                 master,
                 global_segment_size=64 * MiB,
                 rpc_timeout_ms=RPC_TIMEOUT_MS,

@@ -7,8 +7,9 @@ import time
 import pytest
 import torch
 
-from connector.config import MiB, StoreConfig
+from connector.config import MiB
 from connector.keys import KeyLayout, KeyScheme
+from connector.master import store_config_for
 from connector.store import Outcome, StoreClient
 
 pytestmark = pytest.mark.mooncake
@@ -20,7 +21,7 @@ SEGMENT = 64 * MiB
 def test_store_full_then_eviction(start_master, kv_blocks):
     """Overfilling a 64 MiB segment gives STORE_FULL, later puts succeed."""
     master = start_master(lease_ttl_ms=300)
-    config = StoreConfig.for_master(
+    config = store_config_for(
         master, global_segment_size=SEGMENT, namespace="full"
     )
     with StoreClient.open(config) as client:

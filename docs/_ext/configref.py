@@ -2,8 +2,8 @@
 
 One source: every row comes from the class itself, when the docs build.
 
-- Key: the field's name (``:keys: field=key ...`` renames, for classes
-  read from differently named keys).
+- Key: ``metadata["key"]`` of the field, else its name (``:keys:
+  field=key ...`` renames).
 - Type: the field's annotation as written.
 - Default: the field's default as JSON (``required`` when it has none);
   a ``*_size`` default of whole MiB also shows as e.g. ``"4GiB"``.
@@ -12,6 +12,11 @@ One source: every row comes from the class itself, when the docs build.
 
 A field with no meaning is a build warning (an error under ``-W``), so a
 new field cannot reach the docs undocumented.
+
+``.. config-keys:: MODULE:NAME`` lists a collection of key names (the vLLM
+keys the connector does not implement). ``readme_table()`` renders the
+README's configuration table from the same fields; run this file to print
+it (``tests/test_readme.py`` checks that the README holds it).
 """
 
 from __future__ import annotations
@@ -98,13 +103,48 @@ def config_rows(
     docs = attribute_docs(cls)
     return [
         (
-            keys.get(field.name, field.name),
+            keys.get(field.name, field.metadata.get("key") or field.name),
             _type_text(field),
             _default_text(field),
             str(field.metadata.get("doc") or docs.get(field.name, "")),
         )
         for field in attrs.fields(cls)
     ]
+
+
+README_CLASSES: Final = (
+    "connector.config:StoreConfig",
+    "connector.config:TraceConfig",
+    "connector.config:LookupConfig",
+)
+
+
+def _import(spec: str) -> Any:
+    module_name, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module_name), name)
+
+
+def _markdown_default(field: attrs.Attribute[Any]) -> str:
+    default = field.default
+    if default is attrs.NOTHING:
+        return "required"
+    if field.name.endswith("_size") and default and default % MiB == 0:
+        size, unit = default // MiB, "MiB"
+        if size % 1024 == 0:
+            size, unit = size // 1024, "GiB"
+        return f"`{size}{unit}`"
+    return f"`{json.dumps(default)}`"
+
+
+def readme_table() -> str:
+    """The README's configuration table (Markdown), from the fields."""
+    lines = ["| Key | Default | Meaning |", "|---|---|---|"]
+    for spec in README_CLASSES:
+        for field in attrs.fields(_import(spec)):
+            key = field.metadata.get("key") or field.name
+            doc = str(field.metadata["doc"]).replace("``", "`")
+            lines.append(f"| `{key}` | {_markdown_default(field)} | {doc} |")
+    return "\n".join(lines) + "\n"
 
 
 def _keys_option(argument: str | None) -> dict[str, str]:
@@ -187,7 +227,33 @@ class ConfigFields(SphinxDirective):
         return row
 
 
+class ConfigKeys(SphinxDirective):
+    """The directive: a sorted list of key names, as literals."""
+
+    required_arguments = 1
+    has_content = False
+
+    def run(self) -> list[nodes.Node]:
+        """Import the collection and list it."""
+        try:
+            keys = sorted(_import(self.arguments[0]))
+        except (ImportError, AttributeError) as exc:
+            msg = f"config-keys: cannot import {self.arguments[0]}: {exc}"
+            raise self.error(msg) from exc
+        para = nodes.paragraph(classes=["config-keys"])
+        for i, key in enumerate(keys):
+            if i:
+                para += nodes.Text(", ")
+            para += nodes.literal(key, key)
+        return [para]
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
-    """Register ``config-fields``."""
+    """Register ``config-fields`` and ``config-keys``."""
     app.add_directive("config-fields", ConfigFields)
+    app.add_directive("config-keys", ConfigKeys)
     return {"version": "1", "parallel_read_safe": True}
+
+
+if __name__ == "__main__":
+    print(readme_table(), end="")  # noqa: T201

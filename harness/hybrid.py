@@ -47,9 +47,6 @@ if TYPE_CHECKING:
 
     import torch
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorBase_V1,
-    )
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -158,21 +155,14 @@ class HybridHarness(Harness):
             ],
         )
 
-    def _make_worker_connector(self) -> KVConnectorBase_V1:
-        import torch  # noqa: PLC0415
-        from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: PLC0415
-            KVConnectorFactory,
-        )
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
-            KVConnectorRole,
-        )
+    def _make_kv_caches(self) -> dict[str, torch.Tensor]:
+        """One tensor per `KVCacheTensor`, shared by the layers it lists.
 
-        connector = KVConnectorFactory.create_connector(
-            config=self.vllm_config,
-            role=KVConnectorRole.WORKER,
-            kv_cache_config=self.kv_cache_config,
-        )
-        self.kv_caches = {}
+        A full-attention and a sliding-window layer share one.
+        """
+        import torch  # noqa: PLC0415
+
+        caches = {}
         for tensor in self.kv_cache_config.kv_cache_tensors:
             shared = torch.zeros(
                 self.num_blocks,
@@ -181,10 +171,8 @@ class HybridHarness(Harness):
                 dtype=torch.float32,
             )
             for name in tensor.layers:
-                self.kv_caches[name] = shared
-        self.kv_caches = {n: self.kv_caches[n] for n in self.layer_names}
-        connector.register_kv_caches(self.kv_caches)
-        return connector
+                caches[name] = shared
+        return {n: caches[n] for n in self.layer_names}
 
     # ---------------------------------------------------- the worker
 

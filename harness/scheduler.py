@@ -478,7 +478,6 @@ class Harness:
         return cast("Scheduler", scheduler)
 
     def _make_worker_connector(self) -> KVConnectorBase_V1:
-        import torch  # noqa: PLC0415
         from vllm.distributed.kv_transfer.kv_connector.factory import (  # noqa: PLC0415
             KVConnectorFactory,
         )
@@ -491,7 +490,15 @@ class Harness:
             role=KVConnectorRole.WORKER,
             kv_cache_config=self.kv_cache_config,
         )
-        self.kv_caches = {
+        self.kv_caches = self._make_kv_caches()
+        connector.register_kv_caches(self.kv_caches)
+        return connector
+
+    def _make_kv_caches(self) -> dict[str, torch.Tensor]:
+        """Each layer's KV cache, by layer name (one tensor per layer)."""
+        import torch  # noqa: PLC0415
+
+        return {
             name: torch.zeros(
                 self.num_blocks,
                 self.block_size,
@@ -500,8 +507,6 @@ class Harness:
             )
             for name in self.layer_names
         }
-        connector.register_kv_caches(self.kv_caches)
-        return connector
 
     def _spy_on_scheduler_connector(self) -> None:
         """Count external hits as the scheduler hands them to the connector."""

@@ -72,6 +72,25 @@ def wait_for(predicate, timeout_s):
     return predicate()
 
 
+def expect_silent_master_outage(client, keys, out):
+    """A master that answers nothing (hung or partitioned): each lookup
+    ends within the RPC bound, at most one stalls, then the breaker
+    answers every call at once."""
+    bound = RPC_TIMEOUT_MS / 1000 + SLACK_S
+    slow = 0
+    for _ in range(30):
+        result, elapsed = timed(client.exists, keys)
+        assert elapsed < bound, f"{elapsed:.2f} s > {bound} s"
+        slow += elapsed > 0.5
+        if set(result) <= OUTAGE:
+            break
+    assert set(result) <= OUTAGE, list(result)
+    assert slow <= 1, "a silent master must cost at most one stall"
+    result, elapsed = timed(client.get, keys, out.regions(range(8)))
+    assert elapsed < FAST_S, f"{elapsed:.3f} s"
+    assert {Outcome.MASTER_UNREACHABLE} == set(result)
+
+
 def test_killed_master_then_restart(fault_env, kv_blocks):
     """SIGKILL mid-run: MASTER_UNREACHABLE within the stall bound, no
     hang, and recovery after a restart on the same ports (keys are gone).
@@ -162,20 +181,7 @@ def test_paused_master_then_resume(fault_env, kv_blocks):
     out = kv_blocks(client, 8, BLOCK)
     master.pause()
 
-    bound = RPC_TIMEOUT_MS / 1000 + SLACK_S
-    slow = 0
-    for _ in range(30):
-        result, elapsed = timed(client.exists, keys)
-        assert elapsed < bound, f"{elapsed:.2f} s > {bound} s"
-        slow += elapsed > 0.5
-        if set(result) <= OUTAGE:
-            break
-    assert set(result) <= OUTAGE, list(result)
-    assert slow <= 1
-    # Afterwards: answered at once (the breaker is open).
-    result, elapsed = timed(client.get, keys, out.regions(range(8)))
-    assert elapsed < FAST_S, f"{elapsed:.3f} s"
-    assert {Outcome.MASTER_UNREACHABLE} == set(result)
+    expect_silent_master_outage(client, keys, out)
 
     master.resume()
     hit = wait_for(lambda: client.exists(keys).ok, timeout_s=5.0)
@@ -229,19 +235,7 @@ def test_blackholed_master_then_restored(start_master, kv_blocks):
             assert client.put(keys, src.regions(range(8))).ok
             hole.drop()
 
-            bound = RPC_TIMEOUT_MS / 1000 + SLACK_S
-            slow = 0
-            for _ in range(30):
-                result, elapsed = timed(client.exists, keys)
-                assert elapsed < bound, f"{elapsed:.2f} s > {bound} s"
-                slow += elapsed > 0.5
-                if set(result) <= OUTAGE:
-                    break
-            assert set(result) <= OUTAGE, list(result)
-            assert slow <= 1, "a partition must cost at most one stall"
-            result, elapsed = timed(client.get, keys, out.regions(range(8)))
-            assert elapsed < FAST_S, f"{elapsed:.3f} s"
-            assert {Outcome.MASTER_UNREACHABLE} == set(result)
+            expect_silent_master_outage(client, keys, out)
             assert client.breaker.state is BreakerState.OPEN
 
             hole.restore()

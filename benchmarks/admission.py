@@ -151,7 +151,8 @@ def _store_prefixes(
     """Store the shared-prefix blocks of `requests` (ours only)."""
     if writer is None:
         return
-    scheme = connector._keys  # noqa: SLF001 - the connector's own keys
+    # The connector's own keys; group 0 is the full-attention group.
+    scheme = connector._keys[0]  # noqa: SLF001
     keys = {
         key
         for r in requests
@@ -523,6 +524,7 @@ def run_all(
     with_outage: bool,
     down_s: float,
     forward_s: float,
+    tail_s: float = TAIL_S,
 ) -> dict[str, Any]:
     """Every (burst, mode), then the outage run; the JSON document."""
     from connector import clients  # noqa: PLC0415
@@ -566,7 +568,7 @@ def run_all(
                 tmp,
                 kill_at_s=1.0,
                 down_s=down_s,
-                tail_s=TAIL_S,
+                tail_s=tail_s,
                 forward_s=forward_s,
             )
             for key, fault in (
@@ -577,7 +579,7 @@ def run_all(
                     tmp,
                     kill_at_s=1.0,
                     down_s=down_s,
-                    tail_s=TAIL_S,
+                    tail_s=tail_s,
                     forward_s=forward_s,
                     fault=fault,
                 )
@@ -631,6 +633,12 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds the master stays dead in the outage run",
     )
     parser.add_argument(
+        "--tail-s",
+        type=float,
+        default=TAIL_S,
+        help="seconds the outage runs go on after the master is back",
+    )
+    parser.add_argument(
         "--forward-ms",
         type=float,
         default=FORWARD_MS,
@@ -653,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         with_outage=not args.no_outage,
         down_s=args.down_s,
         forward_s=args.forward_ms / 1e3,
+        tail_s=args.tail_s,
     )
     if args.json:
         print(json.dumps(doc))

@@ -210,6 +210,16 @@ class KVGroups:
         return len(self.groups) > 1
 
     @property
+    def one_full_group(self) -> bool:
+        """Whether the only group is full attention, group 0 (no hybrid)."""
+        only = self.groups[0]
+        return (
+            len(self.groups) == 1
+            and only.kind is GroupKind.FULL
+            and only.index == 0
+        )
+
+    @property
     def kinds(self) -> tuple[str, ...]:
         """``"<index>:<kind>"`` per group."""
         return tuple(f"{g.index}:{g.kind.value}" for g in self.groups)

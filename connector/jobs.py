@@ -106,26 +106,87 @@ class JobTable:
         With `pin` and a bound pool, the blocks are referenced until the
         job settles.
         """
+        groups: tuple[int, ...] = ()
+        block_ids: tuple[int, ...] = ()
+        indices: tuple[int, ...] = ()
+        if pairs:
+            groups, block_ids, indices = zip(*pairs, strict=True)
+        return self._open_job(
+            kind,
+            req_id,
+            epoch,
+            block_ids,
+            tuple([hashes[i] for i in indices]),
+            groups if any(groups) else (),
+            pin=pin,
+            finished=finished,
+        )
+
+    def issue_run(
+        self,
+        kind: JobKind,
+        req_id: str,
+        epoch: int,
+        block_ids: Sequence[int],
+        hashes: Sequence[bytes],
+        first: int,
+        last: int,
+        *,
+        pin: bool = False,
+        finished: bool = False,
+    ) -> TransferJob:
+        """`issue` for blocks ``[first, last)`` of group 0 alone.
+
+        The common case (one full-attention group) without building
+        pairs; `last` is clipped to the blocks and hashes there are.
+        """
+        last = min(last, len(block_ids), len(hashes))
+        return self._open_job(
+            kind,
+            req_id,
+            epoch,
+            tuple(block_ids[first:last]),
+            tuple(hashes[first:last]),
+            (),
+            pin=pin,
+            finished=finished,
+        )
+
+    def _open_job(
+        self,
+        kind: JobKind,
+        req_id: str,
+        epoch: int,
+        block_ids: tuple[int, ...],
+        hashes: tuple[bytes, ...],
+        groups: tuple[int, ...],
+        *,
+        pin: bool,
+        finished: bool,
+    ) -> TransferJob:
+        """Record a job; `groups` is empty when every block is group 0."""
         pinned: list[Any] = []
         if pin and self.pool is not None:
-            pinned = [self.pool.blocks[b] for _, b, _ in pairs]
+            pinned = [self.pool.blocks[b] for b in block_ids]
             self.pool.touch(pinned)
-        groups = tuple(g for g, _, _ in pairs)
         job = TransferJob(
             job_id=self._next,
             kind=kind,
             req_id=req_id,
             epoch=epoch,
-            block_ids=tuple(b for _, b, _ in pairs),
-            block_hashes=tuple(hashes[i] for _, _, i in pairs),
+            block_ids=block_ids,
+            block_hashes=hashes,
             pinned=bool(pinned),
             finished=finished,
-            group_ids=groups if any(groups) else (),
+            group_ids=groups,
         )
         self._next += 1
         self._open[job.job_id] = OpenJob(job, pinned)
         if kind is JobKind.LOAD:
-            self.hits.update(groups)
+            if groups:
+                self.hits.update(groups)
+            else:
+                self.hits[0] += len(block_ids)
         return job
 
     def take_hits(self) -> dict[int, int]:

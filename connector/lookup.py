@@ -5,7 +5,9 @@ connector never asks the store from it.  The scheduler half *starts* a
 lookup (`AsyncLookups.start`), answers vLLM ``None`` ("cannot tell yet"),
 and at the end of the step hands every lookup started in it to one
 background thread as one batch (`dispatch`): one store call for the whole
-step.  The thread only fills in `PendingLookup.found` and marks it done;
+step.  A burst is sent in chunks of `CHUNK` as each fills, so the store
+answers while the step is still being scheduled.  The thread only fills
+in `PendingLookup.found` and marks it done;
 the scheduler half takes the answer on its own thread in a later call and
 turns it into the lifecycle's ``lookup_done`` event.
 
@@ -129,7 +131,8 @@ class PendingLookup:
 class AsyncLookups:
     """Batches one step's lookups into store calls on a thread.
 
-    One call per `CHUNK` lookups: a step's lookups usually take one.
+    One call per `CHUNK` lookups: a step's lookups usually take one; a
+    full chunk is sent by `start` itself.
 
     Args:
         lookup: Returns the object that answers a batch; called at every
@@ -190,6 +193,14 @@ class AsyncLookups:
             batch=self.batches,
         )
         self._batch.append(pending)
+        if len(self._batch) >= CHUNK:
+            # A burst: send what fills a store call now, and let the
+            # thread take the GIL long enough to start the call, so the
+            # store answers while this step is still being scheduled
+            # (else the thread waits for the 5 ms switch interval).
+            self.dispatch()
+            if self._thread is not None:
+                time.sleep(HANDOFF_S)
         return pending
 
     def dispatch(self) -> int:

@@ -160,6 +160,7 @@ class SchedulerSide:
         self.role = role
         self.world_size = world_size
         self.groups = groups or KVGroups.single(block_size)
+        self._one_full_group = self.groups.one_full_group
         self.machine: KVMachine = machine or LifecycleMachine(TABLE)
         self.registry = Registry(self.machine, RequestTracker)
         self._lookup = lookup
@@ -628,16 +629,31 @@ class SchedulerSide:
         self, kind: JobKind, tracker: RequestTracker, first: int, last: int
     ) -> TransferJob:
         """A job over every group's blocks of ``[first, last)``."""
-        tables = [tracker.block_ids, *tracker.group_block_ids]
-        job = self._open.issue(
-            kind,
-            tracker.req_id,
-            tracker.epoch,
-            self.groups.pairs(tables, first, last),
-            tracker.block_hashes,
-            pin=kind is JobKind.SAVE,
-            finished=tracker.state is State.DRAINING,
-        )
+        pin = kind is JobKind.SAVE
+        finished = tracker.state is State.DRAINING
+        if self._one_full_group:
+            job = self._open.issue_run(
+                kind,
+                tracker.req_id,
+                tracker.epoch,
+                tracker.block_ids,
+                tracker.block_hashes,
+                first,
+                last,
+                pin=pin,
+                finished=finished,
+            )
+        else:
+            tables = [tracker.block_ids, *tracker.group_block_ids]
+            job = self._open.issue(
+                kind,
+                tracker.req_id,
+                tracker.epoch,
+                self.groups.pairs(tables, first, last),
+                tracker.block_hashes,
+                pin=pin,
+                finished=finished,
+            )
         tracker.pending_jobs.add(job.job_id)
         return job
 

@@ -224,17 +224,22 @@ def test_admission_on_a_cached_answer_drops_its_refresh(clock):
 
 
 def test_a_burst_is_asked_for_in_chunks():
-    """Past `CHUNK` lookups a batch takes several store calls, each
-    answering its own requests; none is lost or asked twice."""
+    """Past `CHUNK` lookups a step takes several store calls, each
+    answering its own requests and each sent as soon as it is full (the
+    store answers while the step is still being scheduled); none is lost
+    or asked twice."""
     fake = FakeLookup(stored=3)
     lookups = AsyncLookups(lambda: fake, timeout_s=1.0, threaded=False)
     n = 2 * CHUNK + 5
-    pending = [
-        lookups.start(f"r{i}", None, 0, Req(f"r{i}", 4).block_hashes)
-        for i in range(n)
-    ]
-    assert lookups.dispatch() == n
-    assert lookups.run_pending() == 1
+    pending = []
+    for i in range(n):
+        pending.append(
+            lookups.start(f"r{i}", None, 0, Req(f"r{i}", 4).block_hashes)
+        )
+        # A full chunk is sent at once, before the step ends.
+        assert lookups.queued == (i + 1) // CHUNK
+    assert lookups.dispatch() == 5  # the rest, at the end of the step
+    assert lookups.run_pending() == 3
     assert fake.calls == [CHUNK, CHUNK, 5]
     assert [p.found for p in pending] == [3] * n
     assert all(p.done for p in pending)

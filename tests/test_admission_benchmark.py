@@ -1,0 +1,48 @@
+"""`python -m benchmarks.admission --json` runs and reports sane JSON.
+
+A tiny run of every mode and all three outage faults (kill, SIGSTOP,
+blackhole), on a real master; the values are checked for shape and
+consistency, never for speed.  A benchmark that raises inside one
+measurement reports it as an ``error`` row, so this test is what notices.
+"""
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from benchmarks import admission
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
+
+
+def test_tiny_run_prints_sane_json(capsys, master_binary):
+    argv = ["--json", "--arrivals", "8", "--repeats", "1"]
+    argv += ["--down-s", "0.5", "--tail-s", "1.0", "--forward-ms", "0"]
+
+    assert admission.main(argv) == 0
+
+    doc = json.loads(capsys.readouterr().out)
+    rows = doc["results"]
+    assert [r["mode"] for r in rows] == list(admission.MODES)
+    for row in rows:
+        assert "error" not in row, row
+        assert row["arrivals"] == 8
+        assert row["connector_us_per_admission"] >= 0
+        assert 0 < row["step_ms_p50"] <= row["step_ms_p99"]
+    for key in admission.OUTAGE_RUNS:
+        run = doc[key]
+        assert run["master_restarted"], (key, run)
+        assert run["requests"] > 0
+        assert run["requests_finished"] == run["requests"], (key, run)
+        assert run["steps"] > 0
+        assert sum(run["store_hits_by_phase"].values()) > 0, (key, run)
+        with_gc = run["max_connector_ms_in_a_step"]
+        assert with_gc >= run["max_connector_ms_in_a_step_without_gc"]
+    assert {"met_us", "met_steps", "met_outage"} <= set(doc["goal"])
+
+
+def test_unknown_mode_is_rejected():
+    with pytest.raises(SystemExit):
+        admission.main(["--modes", "ours,bogus"])

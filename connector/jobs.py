@@ -117,7 +117,7 @@ class JobTable:
             epoch,
             block_ids,
             tuple([hashes[i] for i in indices]),
-            groups if any(groups) else (),
+            groups=groups if any(groups) else (),
             pin=pin,
             finished=finished,
         )
@@ -129,9 +129,9 @@ class JobTable:
         epoch: int,
         block_ids: Sequence[int],
         hashes: Sequence[bytes],
+        *,
         first: int,
         last: int,
-        *,
         pin: bool = False,
         finished: bool = False,
     ) -> TransferJob:
@@ -147,7 +147,7 @@ class JobTable:
             epoch,
             tuple(block_ids[first:last]),
             tuple(hashes[first:last]),
-            (),
+            groups=(),
             pin=pin,
             finished=finished,
         )
@@ -159,8 +159,8 @@ class JobTable:
         epoch: int,
         block_ids: tuple[int, ...],
         hashes: tuple[bytes, ...],
-        groups: tuple[int, ...],
         *,
+        groups: tuple[int, ...],
         pin: bool,
         finished: bool,
     ) -> TransferJob:

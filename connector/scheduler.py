@@ -638,8 +638,8 @@ class SchedulerSide:
                 tracker.epoch,
                 tracker.block_ids,
                 tracker.block_hashes,
-                first,
-                last,
+                first=first,
+                last=last,
                 pin=pin,
                 finished=finished,
             )

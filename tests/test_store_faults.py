@@ -31,6 +31,17 @@ OUTAGE = {Outcome.MASTER_UNREACHABLE, Outcome.TIMEOUT}
 SUCCESS = {Outcome.HIT, Outcome.STORED, Outcome.ALREADY_PRESENT}
 
 
+def eight_keys(namespace: str) -> list[str]:
+    """The keys of blocks 0..7 of one `BLOCK`-byte layout."""
+    return KeyScheme(
+        namespace=namespace,
+        model="m",
+        tp_rank=0,
+        tp_size=1,
+        layout=KeyLayout("uint8", 16, BLOCK),
+    ).keys(range(8))
+
+
 @pytest.fixture
 def fault_env(start_master, kv_blocks):
     """A private master and client (64 MiB), with 8 stored blocks."""
@@ -44,13 +55,7 @@ def fault_env(start_master, kv_blocks):
     )
     client = StoreClient.open(config)
     src = kv_blocks(client, 8, BLOCK, seed=99)
-    keys = KeyScheme(
-        namespace="faults",
-        model="m",
-        tp_rank=0,
-        tp_size=1,
-        layout=KeyLayout("uint8", 16, BLOCK),
-    ).keys(range(8))
+    keys = eight_keys("faults")
     assert client.put(keys, src.regions(range(8))).ok
     yield master, client, src, keys
     client.close()
@@ -225,13 +230,7 @@ def test_blackholed_master_then_restored(start_master, kv_blocks):
         try:
             src = kv_blocks(client, 8, BLOCK, seed=7)
             out = kv_blocks(client, 8, BLOCK)
-            keys = KeyScheme(
-                namespace="blackhole",
-                model="m",
-                tp_rank=0,
-                tp_size=1,
-                layout=KeyLayout("uint8", 16, BLOCK),
-            ).keys(range(8))
+            keys = eight_keys("blackhole")
             assert client.put(keys, src.regions(range(8))).ok
             hole.drop()
 

@@ -16,11 +16,14 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Sequence
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 
 from connector.metadata import JobKind, TransferJob
+
+if TYPE_CHECKING:
+    from connector.groups import KVGroups
 
 log: Final = logging.getLogger(__name__)
 
@@ -122,24 +125,32 @@ class JobTable:
             finished=finished,
         )
 
-    def issue_run(
+    def issue_range(
         self,
         kind: JobKind,
         req_id: str,
         epoch: int,
-        block_ids: Sequence[int],
+        tables: Sequence[Sequence[int]],
         hashes: Sequence[bytes],
         *,
+        groups: KVGroups,
         first: int,
         last: int,
         pin: bool = False,
         finished: bool = False,
     ) -> TransferJob:
-        """`issue` for blocks ``[first, last)`` of group 0 alone.
+        """`issue` over blocks ``[first, last)`` of each group's table.
 
-        The common case (one full-attention group) without building
-        pairs; `last` is clipped to the blocks and hashes there are.
+        One full-attention group (the common case) is cut from slices
+        without building pairs; `last` is then clipped to the blocks and
+        hashes there are, as `KVGroups.pairs` clips it.
         """
+        if not groups.one_full_group:
+            pairs = groups.pairs(tables, first, last)
+            return self.issue(
+                kind, req_id, epoch, pairs, hashes, pin=pin, finished=finished
+            )
+        block_ids = tables[0]
         last = min(last, len(block_ids), len(hashes))
         return self._open_job(
             kind,

@@ -160,7 +160,6 @@ class SchedulerSide:
         self.role = role
         self.world_size = world_size
         self.groups = groups or KVGroups.single(block_size)
-        self._one_full_group = self.groups.one_full_group
         self.machine: KVMachine = machine or LifecycleMachine(TABLE)
         self.registry = Registry(self.machine, RequestTracker)
         self._lookup = lookup
@@ -629,31 +628,18 @@ class SchedulerSide:
         self, kind: JobKind, tracker: RequestTracker, first: int, last: int
     ) -> TransferJob:
         """A job over every group's blocks of ``[first, last)``."""
-        pin = kind is JobKind.SAVE
-        finished = tracker.state is State.DRAINING
-        if self._one_full_group:
-            job = self._open.issue_run(
-                kind,
-                tracker.req_id,
-                tracker.epoch,
-                tracker.block_ids,
-                tracker.block_hashes,
-                first=first,
-                last=last,
-                pin=pin,
-                finished=finished,
-            )
-        else:
-            tables = [tracker.block_ids, *tracker.group_block_ids]
-            job = self._open.issue(
-                kind,
-                tracker.req_id,
-                tracker.epoch,
-                self.groups.pairs(tables, first, last),
-                tracker.block_hashes,
-                pin=pin,
-                finished=finished,
-            )
+        job = self._open.issue_range(
+            kind,
+            tracker.req_id,
+            tracker.epoch,
+            (tracker.block_ids, *tracker.group_block_ids),
+            tracker.block_hashes,
+            groups=self.groups,
+            first=first,
+            last=last,
+            pin=kind is JobKind.SAVE,
+            finished=tracker.state is State.DRAINING,
+        )
         tracker.pending_jobs.add(job.job_id)
         return job
 

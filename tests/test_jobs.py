@@ -1,5 +1,5 @@
-"""`connector.jobs.JobTable`: the one-group fast path opens the same job as
-the general (group, block, index) path."""
+"""`connector.jobs.JobTable`: one full-attention group's jobs, cut from
+slices, are the same jobs as the general (group, block, index) path's."""
 
 import pytest
 
@@ -20,13 +20,21 @@ HASHES = [bytes([i]) * 4 for i in range(10)]
         ([], 0, 3),  # no blocks yet
     ],
 )
-def test_issue_run_matches_issue_over_pairs(kind, blocks, first, last):
+def test_one_group_range_matches_issue_over_pairs(kind, blocks, first, last):
     pairs = KVGroups.single(16).pairs([blocks], first, last)
     general, fast = JobTable(), JobTable()
 
     want = general.issue(kind, "r", 3, pairs, HASHES, finished=True)
-    got = fast.issue_run(
-        kind, "r", 3, blocks, HASHES, first=first, last=last, finished=True
+    got = fast.issue_range(
+        kind,
+        "r",
+        3,
+        [blocks],
+        HASHES,
+        groups=KVGroups.single(16),
+        first=first,
+        last=last,
+        finished=True,
     )
 
     assert got == want
@@ -41,9 +49,10 @@ def test_issue_run_matches_issue_over_pairs(kind, blocks, first, last):
 
 def test_hits_count_loaded_blocks_per_group():
     table = JobTable()
-    table.issue_run(JobKind.LOAD, "a", 0, [5, 6, 7], HASHES, first=0, last=3)
+    one = {"groups": KVGroups.single(16), "first": 0}
+    table.issue_range(JobKind.LOAD, "a", 0, [[5, 6, 7]], HASHES, last=3, **one)
     table.issue(JobKind.LOAD, "b", 0, [(0, 8, 0), (1, 9, 0)], HASHES)
-    table.issue_run(JobKind.SAVE, "c", 0, [1, 2], HASHES, first=0, last=2)
+    table.issue_range(JobKind.SAVE, "c", 0, [[1, 2]], HASHES, last=2, **one)
 
     assert table.take_hits() == {0: 4, 1: 1}
     assert table.take_hits() == {}

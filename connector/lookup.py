@@ -223,9 +223,10 @@ class AsyncLookups:
         The thread needs the GIL to turn the store's answer into
         `found`; a scheduler thread busy in Python hands it over only
         every switch interval (5 ms), often after the next step asked.
-        So, for a lookup sent in an earlier step, yield for at most
-        `HANDOFF_S` once per step.  Never a wait on the store: a call
-        still in flight holds no GIL, and the sleep ends regardless.
+        So, for a lookup already sent, yield for at most `HANDOFF_S` once
+        per batch sent (once per step, plus once per chunk a burst sent
+        early).  Never a wait on the store: a call still in flight holds
+        no GIL, and the sleep ends regardless.
         """
         if pending.done or self._thread is None:
             return pending.done

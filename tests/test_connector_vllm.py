@@ -15,11 +15,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from connector.store import BatchResult, Op, Outcome
 from harness import Harness
 from tests.connector_helpers import (
     CONNECTOR,
     assert_clean,
+    fail_every_get,
     preempt_then_abort,
     prompt,
     run,
@@ -97,22 +97,7 @@ class TestScenarios:
         """A failed load is reported, recomputed, and never serves bad KV."""
         store_prefix(make, 7, 64)
         b = make(num_blocks=40)
-        worker = b.worker_connector.worker_side
-        real_get = worker._store.get
-
-        def failing_get(keys, regions):
-            real_get(keys, regions)
-            outcomes = [Outcome.TRANSFER_FAILED] * len(keys)
-            return BatchResult(Op.GET, outcomes, [-800] * len(keys))
-
-        worker._store = type(
-            "Failing",
-            (),
-            {
-                "get": staticmethod(failing_get),
-                "put": staticmethod(worker._store.put),
-            },
-        )()
+        worker = fail_every_get(b.worker_connector.worker_side)
         b.add_request("b", [*prompt(7, 64), 3], max_tokens=6)
         run(b)
         assert sum(worker.jobs_failed.values()) == 1

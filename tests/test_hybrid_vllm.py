@@ -20,11 +20,11 @@ import pytest
 pytest.importorskip("vllm")
 
 from connector.groups import GroupKind
-from connector.store import BatchResult, Op, Outcome
 from harness.hybrid import HybridHarness
 from tests.connector_helpers import (
     CONNECTOR,
     assert_clean,
+    fail_every_get,
     prompt,
     run,
     side,
@@ -211,22 +211,7 @@ def test_hybrid_load_failure_becomes_recompute(make):
     harness proves no group serves bad KV."""
     produce(make, [6], 128)
     b = make()
-    w = worker(b)
-    real_get = w._store.get
-
-    def failing_get(keys, regions):
-        real_get(keys, regions)
-        outcomes = [Outcome.TRANSFER_FAILED] * len(keys)
-        return BatchResult(Op.GET, outcomes, [-800] * len(keys))
-
-    w._store = type(
-        "Failing",
-        (),
-        {
-            "get": staticmethod(failing_get),
-            "put": staticmethod(w._store.put),
-        },
-    )()
+    w = fail_every_get(worker(b))
     b.add_request("b", [*prompt(6, 128), 3], max_tokens=6)
     run(b)
     assert sum(w.jobs_failed.values()) == 1

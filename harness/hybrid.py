@@ -280,18 +280,10 @@ class HybridHarness(Harness):
 
     def _check_contents(self) -> None:
         """Every group's real blocks over computed tokens hold their KV."""
-        from vllm.v1.request import RequestStatus  # noqa: PLC0415
-
         manager = self.scheduler.kv_cache_manager
         self._reported = 0
-        for req_id, request in self.scheduler.requests.items():
+        for req_id, request in self._computed_requests():
             computed = request.num_computed_tokens
-            if (
-                computed == 0
-                or request.is_finished()
-                or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-            ):
-                continue
             if len(self._hashes[req_id]) < computed:
                 self._fail(f"{req_id}: {computed} computed tokens unknown")
                 continue

@@ -1053,21 +1053,30 @@ class Harness:
         self._awaiting_resume.difference_update(finished)
         return finished
 
-    def _check_contents(self) -> None:
-        """Every block covering a request's computed tokens holds its KV."""
+    def _computed_requests(self) -> Iterator[tuple[str, Request]]:
+        """Requests whose blocks must hold their computed tokens' KV.
+
+        Skipped: nothing computed yet, finished, or still waiting for a
+        load (its blocks are being written).
+        """
         from vllm.v1.request import RequestStatus  # noqa: PLC0415
 
-        manager = self.scheduler.kv_cache_manager
-        bs = self.block_size
-        reported = 0
         for req_id, request in self.scheduler.requests.items():
-            computed = request.num_computed_tokens
             if (
-                computed == 0
+                request.num_computed_tokens == 0
                 or request.is_finished()
                 or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             ):
                 continue
+            yield req_id, request
+
+    def _check_contents(self) -> None:
+        """Every block covering a request's computed tokens holds its KV."""
+        manager = self.scheduler.kv_cache_manager
+        bs = self.block_size
+        reported = 0
+        for req_id, request in self._computed_requests():
+            computed = request.num_computed_tokens
             table = manager.get_block_ids(req_id)[0]
             if len(table) * bs < computed:
                 self._fail(

@@ -96,6 +96,16 @@ def expect_silent_master_outage(client, keys, out):
     assert {Outcome.MASTER_UNREACHABLE} == set(result)
 
 
+def expect_served_again(client, keys, src, out, *, timeout_s, since):
+    """Within `timeout_s` of `since`, the eight keys are seen again and a
+    get returns exactly the bytes that were stored (nothing was lost)."""
+    hit = wait_for(lambda: client.exists(keys).ok, timeout_s=timeout_s)
+    assert hit, f"keys not visible within {timeout_s:g} s of {since}"
+    got = client.get(keys, out.regions(range(8)))
+    assert list(got) == [Outcome.HIT] * 8
+    assert torch.equal(src.tensor, out.tensor)
+
+
 def test_killed_master_then_restart(fault_env, kv_blocks):
     """SIGKILL mid-run: MASTER_UNREACHABLE within the stall bound, no
     hang, and recovery after a restart on the same ports (keys are gone).
@@ -189,11 +199,7 @@ def test_paused_master_then_resume(fault_env, kv_blocks):
     expect_silent_master_outage(client, keys, out)
 
     master.resume()
-    hit = wait_for(lambda: client.exists(keys).ok, timeout_s=5.0)
-    assert hit, "keys not visible within 5 s of SIGCONT"
-    got = client.get(keys, out.regions(range(8)))
-    assert list(got) == [Outcome.HIT] * 8
-    assert torch.equal(src.tensor, out.tensor)
+    expect_served_again(client, keys, src, out, timeout_s=5.0, since="SIGCONT")
 
 
 def test_open_against_dead_master_fails_fast(start_master):
@@ -238,10 +244,13 @@ def test_blackholed_master_then_restored(start_master, kv_blocks):
             assert client.breaker.state is BreakerState.OPEN
 
             hole.restore()
-            hit = wait_for(lambda: client.exists(keys).ok, timeout_s=8.0)
-            assert hit, "keys not visible within 8 s of the partition healing"
-            got = client.get(keys, out.regions(range(8)))
-            assert list(got) == [Outcome.HIT] * 8
-            assert torch.equal(src.tensor, out.tensor)
+            expect_served_again(
+                client,
+                keys,
+                src,
+                out,
+                timeout_s=8.0,
+                since="the partition healing",
+            )
         finally:
             client.close()

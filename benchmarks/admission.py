@@ -120,7 +120,7 @@ class PrefixWriter:
         import torch  # noqa: PLC0415
 
         from connector.config import MiB  # noqa: PLC0415
-        from connector.master import store_config_for  # noqa: PLC0415
+        from connector.ops.master import store_config_for  # noqa: PLC0415
         from connector.store import StoreClient  # noqa: PLC0415
 
         self.client = StoreClient.open(
@@ -416,8 +416,8 @@ def outage(  # noqa: PLR0915 - one timed scenario, top to bottom
 ) -> dict[str, Any]:
     """Ours with the master killed, SIGSTOPped or blackholed mid-run
     (`fault` ``kill``, ``pause``, ``blackhole``), then back."""
-    from connector import clients  # noqa: PLC0415
-    from connector.master import EmbeddedMaster  # noqa: PLC0415
+    from connector.ops.master import EmbeddedMaster  # noqa: PLC0415
+    from connector.store import clients  # noqa: PLC0415
 
     rng = random.Random(7)
     prefixes = _prefixes(7)
@@ -527,8 +527,8 @@ def run_all(
     tail_s: float = TAIL_S,
 ) -> dict[str, Any]:
     """Every (burst, mode), then the outage run; the JSON document."""
-    from connector import clients  # noqa: PLC0415
-    from connector.master import EmbeddedMaster  # noqa: PLC0415
+    from connector.ops.master import EmbeddedMaster  # noqa: PLC0415
+    from connector.store import clients  # noqa: PLC0415
 
     results: list[dict[str, Any]] = []
     with (

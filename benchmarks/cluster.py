@@ -32,8 +32,8 @@ metadata server on, loopback only) and instance processes
 
 Survivors run with vLLM's local prefix cache off, so every request asks
 the store and the connector's failed-load memory
-(`connector.failed_keys`) is what stands between a dead prefix and one
-failed load per request.  ``--detail`` adds the per-node figures.
+(`connector.scheduler.failed_keys`) is what stands between a dead prefix
+and one failed load per request.  ``--detail`` adds the per-node figures.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from benchmarks import percentile
 from benchmarks.cluster_node import Node
-from connector.master import EmbeddedMaster
+from connector.ops.master import EmbeddedMaster
 from harness.extra_config import LOOPBACK, store_extra
 
 if TYPE_CHECKING:

@@ -208,12 +208,12 @@ class StandInWorker:
         if not done:
             return None
         if self.mode == "ours":
+            from connector.integration.vllm_connector import (  # noqa: PLC0415
+                LifecycleWorkerMetadata,
+            )
             from connector.metadata import (  # noqa: PLC0415
                 JobResult,
                 WorkerReport,
-            )
-            from connector.vllm_connector import (  # noqa: PLC0415
-                LifecycleWorkerMetadata,
             )
 
             return LifecycleWorkerMetadata(
@@ -370,7 +370,7 @@ def run(
     sizes: tuple[int, ...], modes: tuple[str, ...], steps: int, warmup: int
 ) -> dict[str, Any]:
     """Measure every mode at every N; returns the JSON document."""
-    from connector.master import EmbeddedMaster  # noqa: PLC0415
+    from connector.ops.master import EmbeddedMaster  # noqa: PLC0415
 
     rows = []
     with (

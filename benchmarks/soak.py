@@ -165,8 +165,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the soak; return the JSON report."""
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-    from connector import clients  # noqa: PLC0415 - imports vLLM
-    from connector.master import EmbeddedMaster  # noqa: PLC0415
+    from connector.ops.master import EmbeddedMaster  # noqa: PLC0415
+    from connector.store import clients  # noqa: PLC0415 - imports vLLM
     from demo.session import (  # noqa: PLC0415
         Session,
         single_threaded_torch,

@@ -32,7 +32,7 @@ def _traced(path: Path, max_events: int, n: int) -> Callable[[], int]:
 
 def _stats_take(steps: int) -> float:
     """Microseconds per `StatsSource.take` after one step of 10 events."""
-    from connector.stats import StatsSource  # noqa: PLC0415 - imports vLLM
+    from connector.integration.stats import StatsSource  # noqa: PLC0415 - imports vLLM
     from connector.store import StoreCounters  # noqa: PLC0415
 
     machine = LifecycleMachine(TABLE)

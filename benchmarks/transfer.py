@@ -34,7 +34,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 import torch
 
 from connector.config import KiB, MiB
-from connector.master import EmbeddedMaster, store_config_for
+from connector.ops.master import EmbeddedMaster, store_config_for
 from connector.store import Regions, StoreClient
 
 if TYPE_CHECKING:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from connector.config import MiB, StoreConfig
-from connector.master import EmbeddedMaster, store_config_for
+from connector.ops.master import EmbeddedMaster, store_config_for
 from e2e.engine import (
     OBSERVED_CONNECTOR,
     OBSERVED_CONNECTOR_MODULE,

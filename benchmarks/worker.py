@@ -34,11 +34,11 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 import torch
 
 from connector.config import KiB, MiB
-from connector.keys import KeyLayout, KeyScheme
-from connector.master import EmbeddedMaster, store_config_for
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
+from connector.ops.master import EmbeddedMaster, store_config_for
 from connector.store import Regions, StoreClient
-from connector.worker import WorkerSide
+from connector.store.keys import KeyLayout, KeyScheme
+from connector.worker.side import WorkerSide
 
 NUM_BLOCKS = 256
 LAYERS = 2

@@ -4,7 +4,7 @@ vLLM's hybrid KV cache manager (HMA) gives a model one *KV cache group*
 per kind of attention (full attention, sliding window, Mamba state ...),
 each with its own block table over one shared block pool.  The connector
 moves (group, block) pairs: a store key carries its group (``g<group>``,
-`connector.keys`), and a transfer job lists one group per block.
+`connector.store.keys`), and a transfer job lists one group per block.
 
 Supported group kinds (anything else is refused at start-up with
 `UnsupportedKVGroups`, naming every group of the model):

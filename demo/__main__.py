@@ -121,8 +121,8 @@ def _session(args: argparse.Namespace, log_path: Path) -> SessionReport:
     # Imported here, once logging is set up: these import vLLM.
     from tqdm import tqdm  # noqa: PLC0415
 
-    from connector import clients  # noqa: PLC0415
-    from connector.master import EmbeddedMaster  # noqa: PLC0415
+    from connector.ops.master import EmbeddedMaster  # noqa: PLC0415
+    from connector.store import clients  # noqa: PLC0415
     from demo.session import (  # noqa: PLC0415
         Session,
         single_threaded_torch,

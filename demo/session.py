@@ -35,13 +35,12 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import attrs
 
-from connector import clients
 from connector.config import MiB, StoreConfig
-from connector.master import EmbeddedMaster, store_config_for
 from connector.metadata import JobKind
-from connector.scheduler import SchedulerSide
-from connector.store import Op, StoreClient
-from connector.worker import WorkerSide
+from connector.ops.master import EmbeddedMaster, store_config_for
+from connector.scheduler.side import SchedulerSide
+from connector.store import Op, StoreClient, clients
+from connector.worker.side import WorkerSide
 from demo.faults import LoadFault
 from demo.report import InstanceStats, SessionReport, TransferTotals
 from demo.spec import RequestSpec, WorkloadConfig, request_specs
@@ -51,7 +50,7 @@ from lifecycle import Row
 from lifecycle.kv import Event, State
 
 if TYPE_CHECKING:
-    from connector.vllm_connector import MooncakeLifecycleConnector
+    from connector.integration.vllm_connector import MooncakeLifecycleConnector
 
 CONNECTOR: Final = "connector.MooncakeLifecycleConnector"
 #: Extra-config keys of the lifecycle trace (ignored by older connectors).

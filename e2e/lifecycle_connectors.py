@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connector.vllm_connector import MooncakeLifecycleConnector
+from connector.integration.vllm_connector import MooncakeLifecycleConnector
 from e2e.snapshots import write_json
 from lifecycle.kv import TABLE, State
 

@@ -23,7 +23,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from connector.config import MiB, StoreConfig
 from connector.errors import MasterBinaryNotFoundError
-from connector.master import (
+from connector.ops.master import (
     EmbeddedMaster,
     find_binary,
     process_alive,

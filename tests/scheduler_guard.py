@@ -3,7 +3,7 @@
 vLLM runs the connector's scheduler half on the thread that schedules
 every request, so no scheduler-side hook may wait on the Mooncake master
 or the transfer engine.  `SchedulerThreadGuard` wraps every public hook
-of `connector.scheduler.SchedulerSide` (the facade delegates each
+of `connector.scheduler.side.SchedulerSide` (the facade delegates each
 scheduler-role hook to it) so that the calling thread is marked while the
 hook runs, and wraps every `StoreClient` method that reaches the master
 or the transfer engine so that a call from a marked thread is recorded
@@ -97,7 +97,7 @@ class SchedulerThreadGuard:
     @contextmanager
     def installed(self) -> Iterator[SchedulerThreadGuard]:
         """Patch the classes for the duration of the block."""
-        from connector.scheduler import SchedulerSide  # noqa: PLC0415
+        from connector.scheduler.side import SchedulerSide  # noqa: PLC0415
         from connector.store import StoreClient  # noqa: PLC0415
 
         saved: list[tuple[type, str, Any]] = []

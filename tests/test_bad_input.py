@@ -25,10 +25,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from connector import clients
 from connector.config import CONFIG_PATH_ENV, StoreConfig
 from connector.errors import ConfigError, StoreUnavailable
-from connector.vllm_connector import MooncakeLifecycleConnector
+from connector.integration.vllm_connector import MooncakeLifecycleConnector
+from connector.store import clients
 from harness import Harness
 from tests.connector_helpers import CONNECTOR, store_extra
 

@@ -1,4 +1,4 @@
-"""The ``kv-lifecycle`` console script (``connector.cli``).
+"""The ``kv-lifecycle`` console script (``connector.ops.cli``).
 
 ``master`` runs as a subprocess, as an operator runs it: its JSON must let
 a real store client connect, and SIGTERM or Ctrl-C must stop the master.
@@ -15,11 +15,11 @@ import time
 
 import pytest
 
-from connector import cli
 from connector.config import StoreConfig
-from connector.keys import KeyLayout, KeyScheme
-from connector.master import MasterPorts, process_alive
+from connector.ops import cli
+from connector.ops.master import MasterPorts, process_alive
 from connector.store import Outcome, StoreClient
+from connector.store.keys import KeyLayout, KeyScheme
 from lifecycle import kv, pd, render
 
 READY = re.compile(r"mooncake_master pid (\d+) ready")
@@ -27,13 +27,13 @@ BLOCK = 4096
 
 
 class Command:
-    """``python -m connector.cli master ...``, stderr to a file."""
+    """``python -m connector.ops.cli master ...``, stderr to a file."""
 
     def __init__(self, tmp_path, *args):
         self.err_path = tmp_path / "master.err"
         with self.err_path.open("w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "connector.cli", "master", *args],
+                [sys.executable, "-m", "connector.ops.cli", "master", *args],
                 stdout=subprocess.PIPE,
                 stderr=err,
                 text=True,

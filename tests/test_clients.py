@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from connector import clients
 from connector.config import MiB, StoreConfig
-from connector.master import store_config_for
-from connector.store import StoreClient
+from connector.ops.master import store_config_for
+from connector.store import StoreClient, clients
 
 pytestmark = pytest.mark.mooncake
 

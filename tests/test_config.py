@@ -21,7 +21,7 @@ from connector.config import (
 )
 from connector.config_values import config_key
 from connector.errors import ConfigError
-from connector.master import store_config_for
+from connector.ops.master import store_config_for
 
 BASE = {
     "master_server_address": "10.0.0.1:50051",

@@ -21,7 +21,7 @@ import torch
 
 from connector.metadata import ConnectorMeta, JobKind, JobResult
 from connector.store import Regions
-from connector.transfer import CudaOps, Staged
+from connector.worker.transfer import CudaOps, Staged
 from tests.worker_helpers import (
     JobMaker,
     assert_same_blocks,

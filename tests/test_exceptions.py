@@ -20,7 +20,9 @@ from lifecycle.kv import Event, State
 from lifecycle.sphinxext import TableReferenceError
 from lifecycle.trace import writer as trace_writer
 
-pytestmark = pytest.mark.vllm  # connector.vllm_connector is walked too
+pytestmark = (
+    pytest.mark.vllm
+)  # connector.integration.vllm_connector is walked too
 
 #: Bases that only name a family; they carry no data of their own.
 BASES = {

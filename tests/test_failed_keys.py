@@ -1,4 +1,6 @@
-"""`connector.failed_keys.FailedKeys`: the failed-load memory, unit level.
+"""`connector.scheduler.failed_keys.FailedKeys`: the failed-load memory.
+
+Unit level.
 
 The memory against a real dead peer is tested in `tests/test_cluster.py`.
 """
@@ -10,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from connector.failed_keys import FailedKeys
 from connector.metadata import JobResult
-from connector.scheduler import Role, SchedulerSide
+from connector.scheduler.failed_keys import FailedKeys
+from connector.scheduler.side import Role, SchedulerSide
 
 
 class Clock:

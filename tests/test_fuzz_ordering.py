@@ -1,8 +1,8 @@
 """Ordering fuzzer: arbitrary interleavings of vLLM's connector hooks.
 
 A hypothesis `RuleBasedStateMachine` drives the connector's scheduler half
-(`connector.scheduler.SchedulerSide`) and worker half
-(`connector.worker.WorkerSide`) with real parts: vLLM 0.33's `Request`
+(`connector.scheduler.side.SchedulerSide`) and worker half
+(`connector.worker.side.WorkerSide`) with real parts: vLLM 0.33's `Request`
 (real block hashes), `BlockPool` and `KVConnectorOutput`, CPU KV tensors
 and the real `mooncake_master`.  A small reference model plays vLLM: which
 ids it tracks, which blocks it handed out, which requests wait for their
@@ -78,12 +78,15 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from connector.keys import KeyLayout, KeyScheme
+from connector.integration.vllm_connector import (
+    LifecycleWorkerMetadata,
+    _StoreLookup,
+)
 from connector.metadata import JobKind, JobResult, TransferJob, WorkerReport
-from connector.scheduler import Role, SchedulerSide
+from connector.scheduler.side import Role, SchedulerSide
 from connector.store import Regions
-from connector.vllm_connector import LifecycleWorkerMetadata, _StoreLookup
-from connector.worker import KVLayout, WorkerSide
+from connector.store.keys import KeyLayout, KeyScheme
+from connector.worker.side import KVLayout, WorkerSide
 from harness.prompts import arithmetic_prompt
 from lifecycle.kv import Event
 from tests.test_faults_vllm import Flaky

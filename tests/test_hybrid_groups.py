@@ -201,10 +201,10 @@ def test_hybrid_connector_refuses_mamba_at_startup(
     )
     from vllm.v1.kv_cache_interface import MambaSpec  # noqa: PLC0415
 
-    from connector import clients  # noqa: PLC0415
-    from connector.vllm_connector import (  # noqa: PLC0415
+    from connector.integration.vllm_connector import (  # noqa: PLC0415
         MooncakeLifecycleConnector,
     )
+    from connector.store import clients  # noqa: PLC0415
     from harness.hybrid import HybridHarness  # noqa: PLC0415
     from tests.connector_helpers import CONNECTOR  # noqa: PLC0415
 

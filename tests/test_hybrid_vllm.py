@@ -271,7 +271,7 @@ def test_hybrid_supports_hma_in_vllm(caplog):
         supports_hma,
     )
 
-    from connector.vllm_connector import (  # noqa: PLC0415
+    from connector.integration.vllm_connector import (  # noqa: PLC0415
         MooncakeLifecycleConnector,
     )
 
@@ -291,7 +291,7 @@ def test_hybrid_supports_hma_in_vllm(caplog):
 
     ours = KVTransferConfig(
         kv_connector="MooncakeLifecycleConnector",
-        kv_connector_module_path="connector.vllm_connector",
+        kv_connector_module_path="connector.integration.vllm_connector",
         kv_role="kv_both",
     )
     assert warned(ours)[0] is False

@@ -68,10 +68,14 @@ def _append(path: Path, line: str) -> None:
     ("module", "line", "contract"),
     [
         ("lifecycle/table.py", "import torch", CONTRACTS[0]),
-        ("lifecycle/machine.py", "import connector.keys", CONTRACTS[0]),
+        ("lifecycle/machine.py", "import connector.store.keys", CONTRACTS[0]),
         ("connector/metadata.py", "import vllm", CONTRACTS[1]),
         # Indirect: the scheduler reaches vLLM through a module it imports.
-        ("connector/failed_keys.py", "import vllm.config", CONTRACTS[1]),
+        (
+            "connector/scheduler/failed_keys.py",
+            "import vllm.config",
+            CONTRACTS[1],
+        ),
         ("connector/store.py", "import harness", CONTRACTS[2]),
         (
             "lifecycle/kv.py",

@@ -1,11 +1,13 @@
-"""`connector.jobs.JobTable`: one full-attention group's jobs, cut from
-slices, are the same jobs as the general (group, block, index) path's."""
+"""`connector.scheduler.jobs.JobTable`: one full-attention group's jobs.
+
+Cut from slices, they are the same jobs as the general (group, block,
+index) path's."""
 
 import pytest
 
 from connector.groups import KVGroups
-from connector.jobs import JobTable
 from connector.metadata import JobKind
+from connector.scheduler.jobs import JobTable
 
 HASHES = [bytes([i]) * 4 for i in range(10)]
 

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from connector.errors import KeySchemeError
-from connector.keys import SEPARATOR, KeyLayout, KeyScheme
+from connector.store.keys import SEPARATOR, KeyLayout, KeyScheme
 
 LAYOUT = KeyLayout("bfloat16", 16, 2 * 1024 * 1024, "L32")
 HASH = bytes(range(32))

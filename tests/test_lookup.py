@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from connector.lookup import CHUNK, AsyncLookups, leading_hits
-from connector.scheduler import Role, SchedulerSide
+from connector.scheduler.lookup import CHUNK, AsyncLookups, leading_hits
+from connector.scheduler.side import Role, SchedulerSide
 from lifecycle import LifecycleMachine
 from lifecycle.kv import TABLE, Event, State
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from connector.keys import KeyLayout, KeyScheme
-from connector.vllm_connector import _StoreLookup
+from connector.integration.vllm_connector import _StoreLookup
+from connector.store.keys import KeyLayout, KeyScheme
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.vllm]
 

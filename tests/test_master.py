@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from connector import master as master_mod
 from connector.errors import (
     MasterBinaryNotFoundError,
     MasterNotRunningError,
     MasterStartError,
 )
-from connector.master import (
+from connector.ops import master as master_mod
+from connector.ops.master import (
     EmbeddedMaster,
     MasterPorts,
     MasterState,
@@ -123,7 +123,7 @@ class TestRealMaster:
 
         monkeypatch.setattr(MasterPorts, "pick", staticmethod(pick))
         master = EmbeddedMaster(log_level=logging.INFO)
-        with caplog.at_level(logging.INFO, logger="connector.master"):
+        with caplog.at_level(logging.INFO, logger="connector.ops.master"):
             try:
                 master.start()
                 assert len(picks) == 2
@@ -136,7 +136,7 @@ class TestRealMaster:
         forwarded = [
             r
             for r in caplog.records
-            if r.name == f"connector.master.{picks[0].rpc}"
+            if r.name == f"connector.ops.master.{picks[0].rpc}"
         ]
         assert forwarded, "the failed master's output was not logged"
         assert any(r.levelno >= logging.ERROR for r in forwarded)
@@ -145,7 +145,7 @@ class TestRealMaster:
         """A script that never calls stop() (and fails) leaves no master."""
         script = textwrap.dedent(
             """
-            from connector.master import EmbeddedMaster
+            from connector.ops.master import EmbeddedMaster
             master = EmbeddedMaster().start()
             print(master.pid, flush=True)
             raise SystemExit("demo failed")
@@ -176,7 +176,7 @@ class TestWithoutMaster:
         )
         master = EmbeddedMaster(binary=binary, start_attempts=2)
         with (
-            caplog.at_level(logging.DEBUG, logger="connector.master"),
+            caplog.at_level(logging.DEBUG, logger="connector.ops.master"),
             pytest.raises(MasterStartError) as info,
         ):
             master.start()

@@ -81,8 +81,10 @@ def test_wheel_metadata(wheel):
         " " * 33 + "Apache License"
     )
     entry_points = _read(wheel, ".dist-info/entry_points.txt")
-    assert "kv-lifecycle = connector.cli:main" in entry_points
-    assert "kv_lifecycle = connector.plugin:register" in entry_points
+    assert "kv-lifecycle = connector.ops.cli:main" in entry_points
+    assert (
+        "kv_lifecycle = connector.integration.plugin:register" in entry_points
+    )
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
     assert {"lifecycle/py.typed", "connector/py.typed"} <= names
@@ -103,8 +105,9 @@ def clean_venv(wheel, tmp_path_factory):
 def test_import_lifecycle_pulls_in_no_serving_stack(clean_venv):
     probe = (
         "import json, sys\n"
-        "import lifecycle, connector, connector.plugin, connector.cli\n"
-        "r = connector.plugin.register()\n"
+        "import lifecycle, connector\n"
+        "import connector.integration.plugin, connector.ops.cli\n"
+        "r = connector.integration.plugin.register()\n"
         "print(json.dumps([r.name, sorted(sys.modules)]))\n"
     )
     out = run([str(clean_venv / "bin" / "python"), "-c", probe])

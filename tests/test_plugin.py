@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from connector import plugin
-from connector.plugin import CONNECTOR_NAME, Registration
+from connector.integration import plugin
+from connector.integration.plugin import CONNECTOR_NAME, Registration
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
@@ -21,7 +21,7 @@ PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 def test_the_entry_point_is_declared_and_resolves_to_register():
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     group = project["entry-points"]["vllm.general_plugins"]
-    assert group == {"kv_lifecycle": "connector.plugin:register"}
+    assert group == {"kv_lifecycle": "connector.integration.plugin:register"}
     ep = EntryPoint("kv_lifecycle", group["kv_lifecycle"], "g")
     assert ep.load() is plugin.register
 
@@ -77,7 +77,7 @@ def test_register_makes_the_name_resolve_without_a_module_path(factory):
     with pytest.raises(ValueError, match="Unsupported connector"):
         factory.get_connector_class(_transfer_config())
     assert plugin.register() is Registration.REGISTERED
-    from connector.vllm_connector import (  # noqa: PLC0415
+    from connector.integration.vllm_connector import (  # noqa: PLC0415
         MooncakeLifecycleConnector,
     )
 
@@ -102,9 +102,13 @@ def test_a_name_taken_by_another_class_is_left_alone_with_a_warning(
     factory.register_connector(
         CONNECTOR_NAME, "tests.reference_connectors", "ReferenceConnector"
     )
-    with caplog.at_level(logging.WARNING, logger="connector.plugin"):
+    with caplog.at_level(
+        logging.WARNING, logger="connector.integration.plugin"
+    ):
         assert plugin.register() is Registration.NAME_TAKEN
-    [record] = [r for r in caplog.records if r.name == "connector.plugin"]
+    [record] = [
+        r for r in caplog.records if r.name == "connector.integration.plugin"
+    ]
     assert record.levelno == logging.WARNING
     assert "tests.reference_connectors.ReferenceConnector" in record.message
     got = factory.get_connector_class(_transfer_config())
@@ -118,7 +122,9 @@ def test_vllms_plugin_loader_calls_register(factory, monkeypatch):
     import vllm.plugins  # noqa: PLC0415
 
     ours = EntryPoint(
-        "kv_lifecycle", "connector.plugin:register", "vllm.general_plugins"
+        "kv_lifecycle",
+        "connector.integration.plugin:register",
+        "vllm.general_plugins",
     )
 
     def entry_points(group=None, **_):

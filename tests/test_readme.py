@@ -115,7 +115,7 @@ def test_configuration_reference_is_generated_from_the_fields() -> None:
 
 def test_vllm_serve_example_is_a_valid_connector_config() -> None:
     from connector.config import StoreConfig, TraceConfig  # noqa: PLC0415
-    from connector.plugin import CONNECTOR_NAME  # noqa: PLC0415
+    from connector.integration.plugin import CONNECTOR_NAME  # noqa: PLC0415
 
     match = re.search(
         r"--kv-transfer-config '(\{.*?\})'", README.read_text(), re.DOTALL
@@ -135,7 +135,7 @@ def test_vllm_serve_example_is_a_valid_connector_config() -> None:
 
 def test_metrics_table_names_the_exported_metrics() -> None:
     pytest.importorskip("vllm")
-    from connector.stats import MetricName  # noqa: PLC0415
+    from connector.integration.stats import MetricName  # noqa: PLC0415
 
     names = {v for k, v in vars(MetricName).items() if not k.startswith("_")}
     assert set(_table(_section("Metrics"))) == names

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
-from connector.keys import KeyLayout, KeyScheme
-from connector.scheduler import Role, SchedulerSide
+from connector.scheduler.side import Role, SchedulerSide
+from connector.store.keys import KeyLayout, KeyScheme
 from tests.scheduler_guard import StoreCallInSchedulerHook
 
 pytestmark = [pytest.mark.mooncake]
@@ -47,7 +47,7 @@ class _Out:
 
 
 def _side(store_client, *, threaded: bool) -> SchedulerSide:
-    from connector.vllm_connector import _StoreLookup  # noqa: PLC0415
+    from connector.integration.vllm_connector import _StoreLookup  # noqa: PLC0415
 
     scheme = KeyScheme(
         namespace="guard",

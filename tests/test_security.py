@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.keys import KeyLayout, KeyScheme
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from connector.store import Regions
-from connector.worker import KVLayout, WorkerSide
+from connector.store.keys import KeyLayout, KeyScheme
+from connector.worker.side import KVLayout, WorkerSide
 from tests.connector_helpers import CONNECTOR, run, store_extra
 
 CONNECTOR_DIR = Path(__file__).resolve().parent.parent / "connector"

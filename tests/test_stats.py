@@ -1,4 +1,6 @@
-"""`connector.stats`: deltas, aggregation, reduce and Prometheus (no engine).
+"""`connector.integration.stats`: deltas, aggregation, reduce, Prometheus.
+
+No engine.
 
 The machine and the store counters are the real ones; only the store calls
 are recorded by hand (`BatchResult`s), as the store client would.
@@ -16,15 +18,15 @@ pytest.importorskip("vllm")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from connector.stats import (
+from connector.integration.stats import (
     MAX_LATENCY_SAMPLES,
     LifecycleConnectorStats,
     LifecyclePromMetrics,
     MetricName,
     StatsSource,
 )
+from connector.integration.vllm_connector import MooncakeLifecycleConnector
 from connector.store import BatchResult, Op, Outcome, StoreCounters
-from connector.vllm_connector import MooncakeLifecycleConnector
 from lifecycle import LifecycleMachine, Registry
 from lifecycle.kv import TABLE, Event
 from lifecycle.kv import KVTracker as Tracker

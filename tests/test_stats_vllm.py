@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from connector.stats import LifecycleConnectorStats, MetricName
+from connector.integration.stats import LifecycleConnectorStats, MetricName
 from harness import Harness
 from lifecycle.kv import Event
 from lifecycle.trace import pair_key

@@ -12,14 +12,14 @@ import torch
 from benchmarks.blackhole import Blackhole
 from connector.config import MiB
 from connector.errors import StoreUnavailable
-from connector.keys import KeyLayout, KeyScheme
-from connector.master import store_config_for
+from connector.ops.master import store_config_for
 from connector.store import (
     DEAD_MASTER_STALL_S,
     BreakerState,
     Outcome,
     StoreClient,
 )
+from connector.store.keys import KeyLayout, KeyScheme
 
 pytestmark = pytest.mark.mooncake
 

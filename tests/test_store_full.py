@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from connector.config import MiB
-from connector.keys import KeyLayout, KeyScheme
-from connector.master import store_config_for
+from connector.ops.master import store_config_for
 from connector.store import Outcome, StoreClient
+from connector.store.keys import KeyLayout, KeyScheme
 
 pytestmark = pytest.mark.mooncake
 

@@ -9,8 +9,8 @@ import attrs
 import pytest
 import torch
 
-from connector.keys import KeyLayout, KeyScheme
 from connector.store import Regions
+from connector.store.keys import KeyLayout, KeyScheme
 
 pytestmark = pytest.mark.mooncake
 

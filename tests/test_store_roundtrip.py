@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from connector.errors import RegionError, RegistrationError
-from connector.keys import KeyLayout, KeyScheme
 from connector.store import BreakerState, Op, Outcome, Regions
+from connector.store.keys import KeyLayout, KeyScheme
 
 pytestmark = pytest.mark.mooncake
 

@@ -1,6 +1,6 @@
 """The worker half's own lifecycle, over a real master and real tensors.
 
-Each test drives `connector.worker.WorkerSide` with the metadata the
+Each test drives `connector.worker.side.WorkerSide` with the metadata the
 scheduler half would send, in the order vLLM's model runner calls the
 hooks (`handle_preemptions`, `start_load_kv`, forward, `wait_for_save`,
 `get_finished`, `get_block_ids_with_load_errors`, report).  A `Gate`
@@ -15,11 +15,16 @@ import time
 import pytest
 import torch
 
-from connector import worker as worker_module
 from connector.metadata import ConnectorMeta, JobKind, JobResult
 from connector.store import Regions
-from connector.transfer import HostOps, Staged, block_pieces, open_transfer
-from connector.worker import Verdict
+from connector.worker import side as worker_module
+from connector.worker.side import Verdict
+from connector.worker.transfer import (
+    HostOps,
+    Staged,
+    block_pieces,
+    open_transfer,
+)
 from lifecycle import LifecycleMachine
 from lifecycle.kv import Event, State
 from tests.connector_helpers import CONNECTOR, prompt, run

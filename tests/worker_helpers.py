@@ -1,4 +1,4 @@
-"""Helpers for driving `connector.worker.WorkerSide` as a model runner does.
+"""Helpers for driving `connector.worker.side.WorkerSide` as a runner does.
 
 Shared by the worker lifecycle tests and the CUDA path tests.  Nothing here
 fakes the store: `Gate` wraps the real client and only delays calls.
@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from connector.keys import KeyLayout, KeyScheme
 from connector.metadata import ConnectorMeta, TransferJob
 from connector.store import Regions
-from connector.worker import WorkerSide
+from connector.store.keys import KeyLayout, KeyScheme
+from connector.worker.side import WorkerSide
 
 
 class Gate:

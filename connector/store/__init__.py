@@ -9,8 +9,8 @@ One module per concept:
 - ``regions``: ``Regions``, the registered-memory pieces of a batch;
 - ``batch``: ``BatchResult``, what one batch call did, key by key;
 - ``counters``: ``OpCounters`` / ``StoreCounters``, per-operation counters
-  read by a metrics layer (``connector.stats`` builds vLLM's stats from
-  them);
+  read by a metrics layer (``connector.integration.stats`` builds vLLM's
+  stats from them);
 - ``breaker``: ``CircuitBreaker``, which stops calling a dead master;
 - ``client``: ``StoreClient``, which puts them together.
 

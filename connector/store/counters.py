@@ -2,8 +2,8 @@
 
 ``OpCounters`` counts one operation; ``StoreCounters`` holds one per
 ``Op`` behind a lock.  They are raw counters of the store client, named
-apart from ``connector.stats`` (the vLLM ``KVConnectorStats`` that a
-metrics layer builds from them).
+apart from ``connector.integration.stats`` (the vLLM
+``KVConnectorStats`` that a metrics layer builds from them).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def model():
 @pytest.fixture(scope="module")
 def master(master_binary):
     """The module's master: engines of one scenario share it."""
-    from connector.master import EmbeddedMaster  # noqa: PLC0415
+    from connector.ops.master import EmbeddedMaster  # noqa: PLC0415
 
     with EmbeddedMaster() as m:
         yield m

@@ -108,7 +108,7 @@ def test_hybrid_gemma2_prefix_served_from_store(gemma2, mooncake_master):
     def transfer():
         return KVTransferConfig(
             kv_connector="MooncakeLifecycleConnector",
-            kv_connector_module_path="connector.vllm_connector",
+            kv_connector_module_path="connector.integration.vllm_connector",
             kv_role="kv_both",
             kv_connector_extra_config=extra,
         )

@@ -38,7 +38,7 @@ if reason := vllm_cpu_missing():
 
 aiohttp = pytest.importorskip("aiohttp")
 
-from connector.master import process_alive  # noqa: E402
+from connector.ops.master import process_alive  # noqa: E402
 from e2e.make_model import ensure_model  # noqa: E402
 from e2e.serving import (  # noqa: E402
     ApiServer,

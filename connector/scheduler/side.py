@@ -3,7 +3,7 @@
 Each vLLM hook looks up the request's tracker, fires one or a few lifecycle
 events, and returns what the events decided.  The registry of trackers is
 the only per-request map; the only other table is of open transfer jobs,
-keyed by job id (`connector.jobs`), which outlive their request on
+keyed by job id (`connector.scheduler.jobs`), which outlive their request on
 purpose: a save pins its blocks until every rank has read them (vLLM
 #52360).  `request_finished` (vLLM's `request_finished_all_groups` of a
 hybrid model lands here too) never delays freeing, so there is never a
@@ -13,7 +13,8 @@ unless the connector asks it to wait.
 Hybrid models: a tracker holds one block table per KV cache group; a load
 or a save is one job over (group, block) pairs (`connector.groups`).
 
-Admission lookups never run on the scheduler thread (`connector.lookup`):
+Admission lookups never run on the scheduler thread
+(`connector.scheduler.lookup`):
 the first `get_num_new_matched_tokens` of a prefix answers None ("cannot
 tell yet"; vLLM skips the request this step), the step's lookups go to the
 lookup thread as one store call when the step's metadata is built, and a
@@ -36,10 +37,11 @@ from typing import Any, Final
 
 import attrs
 
-from connector.failed_keys import FailedKeys
 from connector.groups import KVGroups
-from connector.jobs import BlockPool, JobTable, failed_hashes
-from connector.lookup import (
+from connector.metadata import ConnectorMeta, JobKind, TransferJob
+from connector.scheduler.failed_keys import FailedKeys
+from connector.scheduler.jobs import BlockPool, JobTable, failed_hashes
+from connector.scheduler.lookup import (
     NO_LOOKUP,
     AsyncLookups,
     BatchLookup,
@@ -47,7 +49,6 @@ from connector.lookup import (
     PendingLookup,
     batching,
 )
-from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from lifecycle import LifecycleMachine, Registry, define_tracker
 from lifecycle.kv import TABLE, Event, KVMachine, KVTracker, State
 
@@ -559,8 +560,8 @@ class SchedulerSide:
         by a new request) is counted and dropped; one from an older epoch
         (preemption) is counted stale by the machine.  Returns False when
         the answer is deferred (a block of the hit is being loaded for
-        another request: `connector.failed_keys`); the request is then
-        looked up again, and nothing is cached.
+        another request: `connector.scheduler.failed_keys`); the request is
+        then looked up again, and nothing is cached.
         """
         pending.taken = True
         if self._pending.get(pending.req_id) is pending:

@@ -34,7 +34,7 @@ completion outbox) or per step (the last metadata step applied), never
 per request.
 
 Transfers run on two background threads (loads, saves) through a
-`connector.transfer.Transfer`: zero copy for host KV caches, pinned
+`connector.worker.transfer.Transfer`: zero copy for host KV caches, pinned
 staging with CUDA events for device ones.  Blocks are copied whole, every
 layer, so the connector never depends on how a backend orders tokens inside
 a block.  No vLLM import.
@@ -61,7 +61,7 @@ from connector.metadata import (
     TransferJob,
     WorkerReport,
 )
-from connector.transfer import (
+from connector.worker.transfer import (
     BatchOutcome,
     BlockStore,
     CopyWaits,
@@ -213,8 +213,9 @@ class WorkerSide:
     ) -> WorkerSide:
         """A worker over vLLM's KV tensors, their memory registered once.
 
-        CUDA caches go through pinned staging (see `connector.transfer`);
-        host caches are zero copy unless `staging_blocks` is given.
+        CUDA caches go through pinned staging (see
+        `connector.worker.transfer`); host caches are zero copy unless
+        `staging_blocks` is given.
 
         Raises:
             ValueError: the KV tensors fit no known layout.

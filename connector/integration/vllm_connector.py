@@ -1,7 +1,7 @@
 """The vLLM 0.33 `KVConnectorBase_V1` over the Mooncake store.
 
 Once the package is installed, vLLM finds it by name (the
-``vllm.general_plugins`` entry point, ``connector.plugin``)::
+``vllm.general_plugins`` entry point, ``connector.integration.plugin``)::
 
     KVTransferConfig(
         kv_connector="MooncakeLifecycleConnector",
@@ -13,10 +13,10 @@ Once the package is installed, vLLM finds it by name (the
     )
 
 Without the installed entry point, add
-``kv_connector_module_path="connector.vllm_connector"``.
+``kv_connector_module_path="connector.integration.vllm_connector"``.
 
 This module is the role facade: every hook is a one-line delegation to
-`connector.scheduler.SchedulerSide` or `connector.worker.WorkerSide`,
+`connector.scheduler.side.SchedulerSide` or `connector.worker.side.WorkerSide`,
 which hold no vLLM import.  Importing it imports vLLM.
 
 The connector declares vLLM's `SupportsHMA`: it runs with the hybrid KV
@@ -42,23 +42,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from connector import clients
 from connector.config import LookupConfig, StoreConfig, TraceConfig
 from connector.errors import ConfigError
-from connector.failed_keys import DEFAULT_TTL_S, FailedKeys
 from connector.groups import KVGroups, Lane
-from connector.keys import KeyLayout, KeyScheme
-from connector.lookup import leading_hits
-from connector.metadata import ConnectorMeta, JobResult, WorkerReport
-from connector.scheduler import Role, SchedulerSide
-from connector.stats import (
+from connector.integration.stats import (
     LifecycleConnectorStats,
     LifecyclePromMetrics,
     StatsSource,
 )
-from connector.store import Regions, StoreClient
-from connector.transfer import KVLayout, open_transfer
-from connector.worker import WorkerSide
+from connector.metadata import ConnectorMeta, JobResult, WorkerReport
+from connector.scheduler.failed_keys import DEFAULT_TTL_S, FailedKeys
+from connector.scheduler.lookup import leading_hits
+from connector.scheduler.side import Role, SchedulerSide
+from connector.store import Regions, StoreClient, clients
+from connector.store.keys import KeyLayout, KeyScheme
+from connector.worker.side import WorkerSide
+from connector.worker.transfer import KVLayout, open_transfer
 from lifecycle.trace import TraceError, TraceWriter
 
 if TYPE_CHECKING:

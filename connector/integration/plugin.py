@@ -8,7 +8,8 @@ workers) calls it before it builds a connector, and
                            "kv_role": "kv_both", ...}'
 
 works without ``kv_connector_module_path``.  Registration is lazy (vLLM
-imports ``connector.vllm_connector`` only when it builds the connector),
+imports ``connector.integration.vllm_connector`` only when it builds the
+connector),
 idempotent, and silent when vLLM is absent or the name already maps to
 this class.  A name taken by another class is left alone, with a
 warning: the other class keeps the name.  The package's own log records
@@ -33,7 +34,7 @@ __all__ = [
 log: Final = logging.getLogger(__name__)
 
 CONNECTOR_NAME: Final = "MooncakeLifecycleConnector"
-CONNECTOR_MODULE: Final = "connector.vllm_connector"
+CONNECTOR_MODULE: Final = "connector.integration.vllm_connector"
 CONNECTOR_CLASS: Final = "MooncakeLifecycleConnector"
 LOGGERS: Final = ("connector", "lifecycle")
 

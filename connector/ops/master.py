@@ -1,7 +1,7 @@
 """An embedded ``mooncake_master``: ``kv-lifecycle master``, tests, demos.
 
 Part of the product, decided once: ``kv-lifecycle master``
-(``connector.cli``) is an operator command that runs a single-node master
+(``connector.ops.cli``) is an operator command that runs a single-node master
 through this module, so it stays in ``connector/`` (and ships in the wheel)
 with its errors in ``connector.errors`` and its config constructor
 (``store_config_for``) beside it, rather than moving to the test harness.
@@ -288,7 +288,7 @@ class EmbeddedMaster:
       ``stop_timeout_s``.
     - ``restart()`` brings the master back on the *same* ports (clients
       re-mount automatically, but a restarted master has lost every key).
-    - Output lines go to the logger ``connector.master.<rpc_port>`` at
+    - Output lines go to the logger ``connector.ops.master.<rpc_port>`` at
       ``log_level`` from a daemon reader thread (glog ``W``/``E``/``F``
       lines are raised to WARNING/ERROR/CRITICAL if that is higher); the
       last lines are kept in ``log_tail``.

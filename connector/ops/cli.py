@@ -24,13 +24,13 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from connector.plugin import CONNECTOR_NAME
+from connector.integration.plugin import CONNECTOR_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from types import FrameType
 
-    from connector.master import EmbeddedMaster
+    from connector.ops.master import EmbeddedMaster
 
 __all__ = ["LIFECYCLE_COMMANDS", "kv_transfer_config", "main"]
 
@@ -113,7 +113,7 @@ class _Stop:
 
 def _master(args: argparse.Namespace) -> int:
     from connector.errors import ConfigError, MasterError
-    from connector.master import EmbeddedMaster
+    from connector.ops.master import EmbeddedMaster
 
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

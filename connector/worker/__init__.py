@@ -1,0 +1,9 @@
+"""The connector's worker side: what runs beside each model runner.
+
+- ``side``: ``WorkerSide``, which takes the scheduler's metadata, runs its
+  transfer jobs and reports what finished;
+- ``transfer``: moving KV blocks between the KV caches and the store.
+
+It imports no vLLM and nothing of the scheduler side: the two halves meet
+only through ``connector.metadata``.
+"""

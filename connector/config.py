@@ -596,3 +596,22 @@ def _read_json(path: str | os.PathLike[str], *, key: str) -> dict[str, Any]:
         reason = "the config file must hold a JSON object"
         raise ConfigError(key, str(path), reason)
     return data
+
+
+def failed_load_ttl_s(extra: Mapping[str, object], default: float) -> float:
+    """``failed_load_ttl_s``: how long a failed load's blocks are skipped.
+
+    Size it to the master's ``client_ttl`` + 1 s (`default` when absent).
+
+    Raises:
+        ConfigError: the value is not a positive number of seconds.
+    """
+    key = "failed_load_ttl_s"
+    value = extra.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not value > 0
+    ):
+        raise ConfigError(key, value, "expected a positive number of seconds")
+    return float(value)

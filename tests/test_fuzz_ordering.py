@@ -78,12 +78,10 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from connector.integration.vllm_connector import (
-    LifecycleWorkerMetadata,
-    _StoreLookup,
-)
+from connector.integration.vllm_connector import LifecycleWorkerMetadata
 from connector.metadata import JobKind, JobResult, TransferJob, WorkerReport
 from connector.scheduler.side import Role, SchedulerSide
+from connector.scheduler.store_lookup import StoreLookup
 from connector.store import Regions
 from connector.store.keys import KeyLayout, KeyScheme
 from connector.worker.side import KVLayout, WorkerSide
@@ -219,7 +217,7 @@ class Env:
                 assert result.ok, list(result)
         for tensor in self.tensors:
             tensor.zero_()
-        return schemes, _StoreLookup(self.client, tuple(schemes))
+        return schemes, StoreLookup(self.client, tuple(schemes))
 
     def close(self):
         for tensor in self.tensors:

@@ -53,7 +53,6 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 
-from connector.groups import Lane, move_blocks
 from connector.metadata import (
     ConnectorMeta,
     JobKind,
@@ -61,6 +60,7 @@ from connector.metadata import (
     TransferJob,
     WorkerReport,
 )
+from connector.worker.lanes import Lane, move_blocks
 from connector.worker.transfer import (
     BatchOutcome,
     BlockStore,

@@ -1,8 +1,8 @@
 """An embedded ``mooncake_master``: ``kv-lifecycle master``, tests, demos.
 
-Part of the product, decided once: ``kv-lifecycle master``
-(``connector.ops.cli``) is an operator command that runs a single-node master
-through this module, so it stays in ``connector/`` (and ships in the wheel)
+Part of the product: ``kv-lifecycle master`` (``connector.ops.cli``) is
+an operator command that runs a single-node master through this module,
+so it lives in ``connector/`` (and ships in the wheel)
 with its errors in ``connector.errors`` and its config constructor
 (``store_config_for``) beside it, rather than moving to the test harness.
 Tests, demos and benchmarks use it too, through the same public API.

@@ -32,7 +32,9 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Final
 
 import attrs
@@ -49,6 +51,7 @@ from connector.scheduler.lookup import (
     PendingLookup,
     batching,
 )
+from connector.scheduler.recent import RecentBlocks
 from lifecycle import LifecycleMachine, Registry, define_tracker
 from lifecycle.kv import TABLE, Event, KVMachine, KVTracker, State
 
@@ -138,6 +141,10 @@ class SchedulerSide:
             lookups stop short of them until the master forgets them.
         groups: The model's KV cache groups (default: one full-attention
             group of `block_size`).
+        clock: Monotonic seconds for the lookups' deadlines and refreshes
+            and the memory of recent misses (tests pass a fake).
+        recent: Memory of recent misses and own saves (default: a fresh
+            `RecentBlocks` on `clock`).
     """
 
     def __init__(
@@ -153,6 +160,8 @@ class SchedulerSide:
         threaded_lookups: bool = True,
         failed_keys: FailedKeys | None = None,
         groups: KVGroups | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        recent: RecentBlocks | None = None,
     ) -> None:
         if block_size <= 0:
             msg = f"block_size must be positive, got {block_size}"
@@ -177,6 +186,7 @@ class SchedulerSide:
             answering,
             timeout_s=lookup_timeout_s,
             threaded=threaded_lookups,
+            clock=clock,
         )
         # A scheduler half dropped without `close()` stops its thread.
         weakref.finalize(self, self.lookups.close, 0.0)
@@ -187,6 +197,11 @@ class SchedulerSide:
         self._short: dict[str, RequestTracker] = {}
         self.lookup_counts: collections.Counter[str] = collections.Counter()
         self.failed_keys = failed_keys or FailedKeys()
+        self.recent = recent or RecentBlocks(clock=clock)
+        # A hybrid model's hit is not downward-closed per block (a
+        # sliding window may serve a longer prefix than a shorter one),
+        # so its first miss says nothing of other prefixes.
+        self._remember_misses = not self.groups.hybrid
         self._open = self.jobs = JobTable(world_size)
         self._step = 0
         self._loads_to_issue: list[RequestTracker] = []
@@ -416,7 +431,10 @@ class SchedulerSide:
             return 0
         bs = self.block_size
         asked = min(len(tracker.block_hashes), max(num_tokens - 1, 0) // bs)
+        local = tracker.num_local_tokens // bs
         key = (tracker.epoch, asked)
+        if local >= asked:
+            return self._local_hit(tracker, key)
         if tracker.lookup_key != key:
             pending = self._pending.get(tracker.req_id)
             if pending is not None:
@@ -426,12 +444,47 @@ class SchedulerSide:
             return tracker.num_hit_tokens
         if tracker.req_id in self._pending:
             return None  # still in flight, deadline not reached
-        if asked == 0:
+        return self._ask(tracker, key, local)
+
+    def _local_hit(self, tracker: RequestTracker, key: tuple[int, int]) -> int:
+        """vLLM's local hit covers every block a load could fill: 0 now.
+
+        No lookup could add a token, so none is asked; the answer is
+        cached like a looked-up miss (a later call whose local hit shrank
+        reads it and refreshes it in the background).  Blocks this
+        instance saved recently are marked saved, so the request does not
+        save them again.
+        """
+        pending = self._pending.get(tracker.req_id)
+        if pending is not None:  # asked while the local hit was shorter
+            self._drop_lookup(pending, "superseded")
+        if tracker.lookup_key != key:
+            asked = key[1]
+            saved = self.recent.saved_prefix(tracker.block_hashes[:asked])
+            tracker.num_saved_tokens = max(
+                tracker.num_saved_tokens, saved * self.block_size
+            )
+            tracker.lookup_at = self.lookups.clock()
+            self._answer(tracker, key, 0)
+        self.lookup_counts["local"] += 1
+        return 0
+
+    def _ask(
+        self, tracker: RequestTracker, key: tuple[int, int], local: int
+    ) -> int | None:
+        """Start the lookup of `key`, or answer a miss already known."""
+        if self.recent.cuts(tracker.block_hashes[: local + 1]):
+            # A block up to the first loadable one missed moments ago:
+            # answer the miss now (refreshed in the background while the
+            # request waits).
+            self.lookup_counts["known_miss"] += 1
+            tracker.lookup_at = self.lookups.clock()
+            self._short[tracker.req_id] = tracker
             return self._answer(tracker, key, 0)
         if len(self._pending) >= self.max_pending:
             self.lookup_counts["over_limit"] += 1
             return self._answer(tracker, key, 0)
-        self._start_lookup(tracker, asked)
+        self._start_lookup(tracker, key[1])
         self.lookup_counts["started"] += 1
         return None
 
@@ -566,6 +619,12 @@ class SchedulerSide:
         pending.taken = True
         if self._pending.get(pending.req_id) is pending:
             del self._pending[pending.req_id]
+        if (
+            self._remember_misses
+            and not pending.expired
+            and pending.found < pending.asked
+        ):
+            self.recent.missed(pending.hashes[pending.found])
         tracker: RequestTracker = pending.tracker
         if self.registry.get(pending.req_id) is not tracker:
             self.lookup_counts["ended"] += 1
@@ -672,12 +731,16 @@ class SchedulerSide:
             return
         if not self.registry.fire_on(tracker, Event.SAVE_ISSUED):
             return
-        jobs.append(self._new_job(JobKind.SAVE, tracker, first, last))
+        job = self._new_job(JobKind.SAVE, tracker, first, last)
+        self.recent.saving(job.block_hashes)
+        jobs.append(job)
         tracker.num_saved_tokens = last * bs
 
     def _finish_job(self, settled: tuple[TransferJob, bool]) -> bool:
         """Fire the job's completion; True if it settles a receive."""
         job, ok = settled
+        if ok:
+            self.recent.saved(job.block_hashes)
         tracker = self.registry.get(job.req_id)
         if tracker is not None and tracker.epoch == job.epoch:
             tracker.pending_jobs.discard(job.job_id)

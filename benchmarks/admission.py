@@ -32,9 +32,9 @@ request of that kind waited past the step it arrived in, where ``none``
 schedules the whole burst at once), and ``step_ms_p50``/``step_ms_p99``
 over those steps (`schedule()` + `update_from_output()`).  Between the
 two, each step sleeps ``--forward-ms`` (1 ms by default, not timed) in
-place of the forward pass, during which an engine's thread releases the GIL: with no
-such pause a Python lookup thread only gets the GIL every 5 ms (the
-interpreter's switch interval), whatever the store's latency.
+place of the forward pass, during which an engine's thread releases the
+GIL: with no such pause a Python lookup thread only gets the GIL every
+5 ms (the interpreter's switch interval), whatever the store's latency.
 
 The outage run (``ours`` only, its own master): requests keep arriving
 every step while the master is killed mid-run and restarted seconds later

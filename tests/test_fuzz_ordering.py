@@ -819,14 +819,21 @@ class OrderingFuzzer(RuleBasedStateMachine):
         )
         COVERAGE["dropped reports"] += self.side.unexpected_reports
         counts = self.side.lookup_counts
-        COVERAGE["lookups after a preemption"] += sum(
+        # An answer that comes back after its request was preempted is
+        # fenced by the request's epoch (a stale ``lookup_done``) or,
+        # once the lookup was dropped at admission, by the lookup's own
+        # epoch (a stale ``answer`` of the admission-lookup table).
+        stale_answers = sum(self.side.lookup_machine.stale_counts.values())
+        COVERAGE["lookups after a preemption"] += stale_answers + sum(
             n
             for (_, event), n in self.side.machine.stale_counts.items()
             if event is Event.LOOKUP_DONE
         )
         COVERAGE["lookups answered"] += counts["answered"]
         COVERAGE["lookups after their request ended"] += counts["ended"]
-        COVERAGE["lookups refused (stale or illegal)"] += counts["refused"]
+        COVERAGE["lookups refused (stale or illegal)"] += (
+            counts["refused"] + stale_answers
+        )
         COVERAGE["lookups expired"] += counts["timed_out"]
         COVERAGE["failed loads"] += sum(
             w.jobs_failed[JobKind.LOAD] for w in self.workers

@@ -138,8 +138,18 @@ def take_answer(tracker: LookupTracker, tokens: int | None) -> None:
         tracker.request.num_hit_tokens = tracker.hit_tokens
 
 
+def give_up(tracker: LookupTracker, _data: object = None) -> None:
+    """Past the deadline: a miss, and the late answer goes stale."""
+    tracker.epoch += 1
+    take_answer(tracker, 0)
+
+
 def keep_answer(tracker: LookupTracker, _data: object = None) -> None:
-    """The refresh ended without an answer: the old one stands."""
+    """The refresh ran out of time: the old answer stands.
+
+    The late answer goes stale.
+    """
+    tracker.epoch += 1
     tracker.pending = None
 
 
@@ -166,8 +176,8 @@ LOOKUPS: Final[Table[LookupState, LookupEvent, Any]] = Table(
         Row(LS.IN_FLIGHT, LE.ANSWER, LS.ANSWERED, after=(take_answer,)),
         Row(LS.REFRESHING, LE.ANSWER, LS.ANSWERED, after=(take_answer,)),
         # Past the deadline: a miss; a refresh keeps its answer.
-        Row(LS.ASKED, LE.TIME_OUT, LS.ANSWERED, after=(take_answer,)),
-        Row(LS.IN_FLIGHT, LE.TIME_OUT, LS.ANSWERED, after=(take_answer,)),
+        Row(LS.ASKED, LE.TIME_OUT, LS.ANSWERED, after=(give_up,)),
+        Row(LS.IN_FLIGHT, LE.TIME_OUT, LS.ANSWERED, after=(give_up,)),
         Row(LS.REFRESHING, LE.TIME_OUT, LS.ANSWERED, after=(keep_answer,)),
         Row(LS.ANSWERED, LE.REFRESH, LS.REFRESHING, after=(start_refresh,)),
         # vLLM admitted the request: on its answer (a refresh is no

@@ -17,9 +17,10 @@ import pytest
 
 from connector.scheduler.admission import Ask, LookupEvent, LookupState
 from connector.scheduler.lookup import CHUNK, AsyncLookups, leading_hits
+from connector.scheduler.requests import REQUESTS
 from connector.scheduler.side import Role, SchedulerSide
 from lifecycle import LifecycleMachine
-from lifecycle.kv import TABLE, Event, State
+from lifecycle.kv import Event, State
 
 BS = 16
 
@@ -72,7 +73,7 @@ def make(clock, **kwargs) -> tuple[SchedulerSide, FakeLookup]:
         block_size=BS,
         role=Role.BOTH,
         lookup=lookup,
-        machine=LifecycleMachine(TABLE, strict=True),
+        machine=LifecycleMachine(REQUESTS, strict=True),
         threaded_lookups=False,
         **kwargs,
     )
@@ -342,7 +343,7 @@ def test_the_lookups_clock_is_injected():
         block_size=BS,
         role=Role.BOTH,
         lookup=FakeLookup(),
-        machine=LifecycleMachine(TABLE, strict=True),
+        machine=LifecycleMachine(REQUESTS, strict=True),
         threaded_lookups=False,
         lookup_timeout_s=0.05,
         clock=lambda: now[0],

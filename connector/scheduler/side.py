@@ -47,8 +47,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
-import attrs
-
 from connector.groups import KVGroups
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from connector.scheduler.admission import (
@@ -69,8 +67,15 @@ from connector.scheduler.lookup import (
     batching,
 )
 from connector.scheduler.recent import RecentBlocks
-from lifecycle import LifecycleMachine, Registry, define_tracker
-from lifecycle.kv import TABLE, Event, KVMachine, KVTracker, State
+from connector.scheduler.requests import (
+    REQUESTS,
+    Allocated,
+    Asked,
+    RequestTracker,
+    set_tables,
+)
+from lifecycle import LifecycleMachine, Registry
+from lifecycle.kv import Event, KVMachine, State
 
 log: Final = logging.getLogger(__name__)
 
@@ -108,28 +113,6 @@ class Role(enum.Enum):
     def saves(self) -> bool:
         """Whether this role writes KV to the store."""
         return self is not Role.CONSUMER
-
-
-@define_tracker
-class RequestTracker(KVTracker):
-    """A request's tracker plus what the scheduler half needs.
-
-    Attributes:
-        num_prompt_tokens: Prompt length; saves stop at the last full
-            prompt block (decode KV is not saved).
-        num_local_tokens: vLLM's local prefix-cache hit at the lookup.
-        block_hashes: vLLM's live list of the request's chained block
-            hashes (grows as tokens are added).
-        load_job: The open load job, or -1.
-        load_failures: Failed loads; after one, the request recomputes
-            instead of trusting the store again.
-    """
-
-    num_prompt_tokens: int = 0
-    num_local_tokens: int = 0
-    block_hashes: list[bytes] = attrs.field(factory=list)
-    load_job: int = -1
-    load_failures: int = 0
 
 
 def _status_name(request: Any) -> str:
@@ -185,7 +168,15 @@ class SchedulerSide:
         self.role = role
         self.world_size = world_size
         self.groups = groups or KVGroups.single(block_size)
-        self.machine: KVMachine = machine or LifecycleMachine(TABLE)
+        self.machine: KVMachine = machine or LifecycleMachine(REQUESTS)
+        lookup_row = self.machine.table.get(State.NEW, Event.LOOKUP)
+        if lookup_row is None or not lookup_row.after:
+            msg = (
+                "the scheduler half's machine must run "
+                "connector.scheduler.requests.REQUESTS (the KV table with "
+                "the half's callbacks)"
+            )
+            raise ValueError(msg)
         self.registry = Registry(self.machine, RequestTracker)
         self._lookup = lookup
         side = weakref.ref(self)
@@ -256,12 +247,9 @@ class SchedulerSide:
         Never calls the store.
         """
         tracker = self.registry.get_or_create(request.request_id)
-        if not self.registry.fire_on(tracker, Event.LOOKUP):
+        asked = Asked(request, num_computed_tokens)
+        if not self.registry.fire_on(tracker, Event.LOOKUP, data=asked):
             return 0, False
-        tracker.block_hashes = request.block_hashes
-        tracker.num_prompt_tokens = request.num_prompt_tokens
-        tracker.num_tokens = request.num_tokens
-        tracker.num_local_tokens = num_computed_tokens
         hit = self._hit_tokens(tracker, request.num_tokens)
         if hit is None:
             return None, False
@@ -278,13 +266,12 @@ class SchedulerSide:
             return
         self._admitted(tracker.req_id)
         if num_external_tokens <= 0:
-            if self.registry.fire_on(tracker, Event.ALLOC_LOCAL):
-                self._mark_stored_prefix(tracker)
+            self.registry.fire_on(tracker, Event.ALLOC_LOCAL)
             return
-        if self.registry.fire_on(tracker, Event.ALLOC_EXTERNAL):
-            self._set_tables(tracker, blocks.get_block_ids())
-            tracker.num_external_tokens = num_external_tokens
-            self._mark_stored_prefix(tracker)
+        allocated = Allocated(blocks.get_block_ids(), num_external_tokens)
+        if self.registry.fire_on(
+            tracker, Event.ALLOC_EXTERNAL, data=allocated
+        ):
             self._loads_to_issue.append(tracker)
 
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
@@ -772,11 +759,6 @@ class SchedulerSide:
             return 0
         return self.failed_keys.clip(pending.hashes, pending.found)
 
-    def _mark_stored_prefix(self, tracker: RequestTracker) -> None:
-        tracker.num_saved_tokens = max(
-            tracker.num_saved_tokens, tracker.num_hit_tokens
-        )
-
     def _preempt(self, req_ids: Any) -> list[tuple[str, int]]:
         preempted = []
         for req_id in sorted(req_ids):
@@ -786,14 +768,12 @@ class SchedulerSide:
                 continue
             if self.registry.fire_on(tracker, Event.PREEMPT):
                 self.registry.fire_on(tracker, Event.RESET)
-                tracker.load_job = -1
                 preempted.append((req_id, tracker.epoch))
         return preempted
 
     def _set_tables(self, tracker: RequestTracker, tables: Any) -> None:
         """Replace the tracker's block tables (one per KV cache group)."""
-        tracker.block_ids = list(tables[0]) if tables else []
-        tracker.group_block_ids = [list(t) for t in tables[1:]]
+        set_tables(tracker, tables)
 
     def _new_job(
         self, kind: JobKind, tracker: RequestTracker, first: int, last: int
@@ -840,12 +820,13 @@ class SchedulerSide:
         first = tracker.num_saved_tokens // bs
         if last <= first or last > len(tracker.block_ids):
             return
-        if not self.registry.fire_on(tracker, Event.SAVE_ISSUED):
+        if not self.registry.fire_on(
+            tracker, Event.SAVE_ISSUED, data=last * bs
+        ):
             return
         job = self._new_job(JobKind.SAVE, tracker, first, last)
         self.recent.saving(job.block_hashes)
         jobs.append(job)
-        tracker.num_saved_tokens = last * bs
 
     def _finish_job(self, settled: tuple[TransferJob, bool]) -> bool:
         """Fire the job's completion; True if it settles a receive."""
@@ -860,9 +841,6 @@ class SchedulerSide:
             self.registry.fire(job.req_id, event, epoch=job.epoch, known=False)
             return False
         event = Event.LOAD_DONE if ok else Event.LOAD_FAILED
-        if tracker is not None and tracker.load_job == job.job_id:
-            tracker.load_job = -1
-            tracker.load_failures += not ok
         return self.registry.fire(
-            job.req_id, event, epoch=job.epoch, known=False
+            job.req_id, event, epoch=job.epoch, known=False, data=job.job_id
         )

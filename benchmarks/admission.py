@@ -436,7 +436,8 @@ def _miss_prefixes(
 
     Requests with them arrive and ask, their lookups end, and they are
     aborted before they ran (so vLLM's local cache holds none of it);
-    one more step takes the answers.
+    one more step takes the answers.  The burst follows at once: a miss
+    is trusted for `connector.scheduler.recent.DEFAULT_MISS_TTL_S`.
     """
     from vllm.v1.request import RequestStatus  # noqa: PLC0415
 
@@ -451,8 +452,6 @@ def _miss_prefixes(
     live = [i for i in ids if i in run.scheduler.requests]
     run.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
     run.step()
-    for _ in range(4):  # any that ran (no connector) finish
-        run.step()
     return prefixes
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from connector.config import (
     VLLM_UNIMPLEMENTED_KEYS,
+    IdentityConfig,
     LookupConfig,
     StoreConfig,
     TraceConfig,
@@ -136,8 +137,16 @@ def test_configuration_reference_is_generated_from_the_fields(site) -> None:
     assert [r[0] for r in lookup] == [
         "lookup_timeout_ms",
         "lookup_max_pending",
+        "failed_load_ttl_s",
     ]
-    for cls, table in ((TraceConfig, trace), (LookupConfig, lookup)):
+    assert lookup[2][1:3] == ["float", "15.0"]
+    identity = _rows(page, "connector.config.IdentityConfig")
+    assert [r[0] for r in identity] == ["weights_version"]
+    for cls, table in (
+        (TraceConfig, trace),
+        (LookupConfig, lookup),
+        (IdentityConfig, identity),
+    ):
         for row, field in zip(table, attrs.fields(cls), strict=True):
             doc = " ".join(_text(field.metadata["doc"]).split())
             assert row[3] == doc.replace("``", "")

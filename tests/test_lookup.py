@@ -355,3 +355,66 @@ def test_the_lookups_clock_is_injected():
     assert side.get_num_new_matched_tokens(a, 0) == (0, False)
     assert side.lookup_counts["timed_out"] == 1
     assert side.recent.clock() == now[0]
+
+
+def test_a_reset_drops_lookups_and_asks_the_new_generation(clock):
+    """After `reset_generation` a waiting request's answer, cached or in
+    flight, is the new lookup's; the step's metadata names the
+    generation."""
+    side, old = make(clock)
+    a, b = Req("a"), Req("b")
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    assert side.get_num_new_matched_tokens(a, 0) == (32, True)  # cached
+    assert side.get_num_new_matched_tokens(b, 0) == (None, False)
+    side.build_connector_meta(Step())  # b's lookup dispatched, not run
+    assert side.build_connector_meta(Step()).generation is None
+    new = FakeLookup(stored=0)
+    side.reset_generation("g1", new)
+    assert side.pending_lookups == 0
+    assert side.lookup_counts["reset"] == 1
+    old_calls = list(old.calls)
+    side.lookups.run_pending()  # the old batch's answer is discarded
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    assert side.get_num_new_matched_tokens(b, 0) == (None, False)
+    meta = side.build_connector_meta(Step())
+    assert meta.generation == "g1"
+    side.lookups.run_pending()
+    assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(b, 0) == (0, False)
+    assert new.calls == [2]
+    assert old.calls[len(old_calls) :] in ([], [1])
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_reset_stops_saves_of_admitted_requests(clock, reset):
+    """A request admitted before the reset saves no block computed after
+    it (its earlier KV came from the old weights); control: without the
+    reset it saves its prompt."""
+    side, lookup = make(clock)
+    lookup.stored = 0
+    req = Req("run")
+
+    class Blocks:
+        @staticmethod
+        def get_block_ids():
+            return ([1, 2, 3, 4, 5],)
+
+    class New:
+        req_id = "run"
+        block_ids = ([1, 2, 3, 4, 5],)
+        num_computed_tokens = 0
+
+    side.get_num_new_matched_tokens(req, 0)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, Blocks(), 0)
+    if reset:
+        side.reset_generation("g1", FakeLookup(stored=0))
+    step = Step()
+    step.scheduled_new_reqs = (New(),)
+    step.num_scheduled_tokens = {"run": req.num_prompt_tokens}
+    saves = side.build_connector_meta(step).jobs
+    assert [len(j.block_ids) for j in saves] == ([] if reset else [4])

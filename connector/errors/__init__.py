@@ -7,7 +7,9 @@
 - ``master``: the embedded ``mooncake_master``'s errors (``MasterError``
   and its subclasses);
 - ``groups``: ``UnsupportedKVGroups``, a model the connector cannot
-  serve.
+  serve;
+- ``parallel``: ``UnsupportedParallelism`` and ``ParallelRankError``,
+  a parallel layout the connector cannot key.
 
 Every name is re-exported here: ``from connector.errors import
 ConfigError`` is the way to import them.
@@ -34,6 +36,10 @@ from connector.errors.master import (
     MasterNotRunningError,
     MasterStartError,
 )
+from connector.errors.parallel import (
+    ParallelRankError,
+    UnsupportedParallelism,
+)
 from connector.errors.store import (
     KeySchemeError,
     RegionError,
@@ -51,10 +57,12 @@ __all__ = [
     "MasterError",
     "MasterNotRunningError",
     "MasterStartError",
+    "ParallelRankError",
     "RegionError",
     "RegistrationError",
     "StoreClosedError",
     "StoreError",
     "StoreUnavailable",
     "UnsupportedKVGroups",
+    "UnsupportedParallelism",
 ]

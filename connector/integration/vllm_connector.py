@@ -26,13 +26,20 @@ The connector declares vLLM's `SupportsHMA`: it runs with the hybrid KV
 cache manager, over full-attention and sliding-window KV cache groups
 (`connector.groups`); a model with any other group kind (Mamba/SSM
 state, ...) is refused at start-up with `UnsupportedKVGroups`.
+
+Identity: a stored block's key names the model as configured (full name
+or path, and revision), the TP shard, the pipeline stage, the layout and
+a weights generation (`connector.store.keys`).  Pipeline parallelism is
+refused at start-up (`UnsupportedParallelism`): the scheduler half sees
+one stage's layout and could not tell whether every stage's blocks are
+stored.  `reset_cache` moves to a new weights generation.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from pathlib import PurePath
+import uuid
 from typing import TYPE_CHECKING, Any, Final
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -45,21 +52,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connector.config import (
+    IdentityConfig,
     LookupConfig,
     StoreConfig,
     TraceConfig,
-    failed_load_ttl_s,
 )
 from connector.errors import ConfigError
 from connector.groups import KVGroups
-from connector.integration.layout import Schemes, key_layout, tp_rank
+from connector.integration.layout import (
+    Schemes,
+    key_layout,
+    pipeline_size,
+    tp_rank,
+)
 from connector.integration.stats import (
     LifecycleConnectorStats,
     LifecyclePromMetrics,
     StatsSource,
 )
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
-from connector.scheduler.failed_keys import DEFAULT_TTL_S, FailedKeys
+from connector.scheduler.failed_keys import FailedKeys
 from connector.scheduler.side import Role, SchedulerSide
 from connector.scheduler.store_lookup import StoreLookup
 from connector.store import Regions, StoreClient, clients
@@ -121,6 +133,20 @@ def _open_trace(
     return writer
 
 
+def _warn_failure_policy(transfer: Any) -> None:
+    """WARN when vLLM fails requests whose load failed (policy ``fail``)."""
+    policy = getattr(transfer, "kv_load_failure_policy", "recompute")
+    if policy == "fail":
+        log.warning(
+            "kv_transfer_config.kv_load_failure_policy is 'fail' (vLLM's "
+            "default): a load the store cannot serve (a dead or hung peer, "
+            "a master restart, an evicted block) will fail its request "
+            "with an error instead of recomputing the blocks. Set "
+            '"kv_load_failure_policy": "recompute" to keep serving '
+            "through store faults."
+        )
+
+
 class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     """A KV connector whose hooks only fire lifecycle events.
 
@@ -147,19 +173,31 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         self._store_config = StoreConfig.from_vllm(extra)
         trace = TraceConfig.from_extra_config(extra)
         lookups = LookupConfig.from_extra_config(extra)
+        identity = IdentityConfig.from_extra_config(extra)
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
-        model = PurePath(str(vllm_config.model_config.model)).name
+        pp_size = pipeline_size(parallel)
+        model_config = vllm_config.model_config
         self._groups = KVGroups.from_kv_cache_config(kv_cache_config)
+        self._weights_version = identity.weights_version
         schemes = Schemes(
             namespace=self._store_config.namespace,
-            model=model,
+            model=str(model_config.model),
+            revision=str(getattr(model_config, "revision", None) or ""),
+            generation=identity.weights_version,
             tp_size=tp_size,
+            pp_size=pp_size,
             layouts=tuple(
                 key_layout(kv_cache_config, g.index)
                 for g in self._groups.groups
             ),
         )
+        self._schemes = schemes
+        worker = role != KVConnectorRole.SCHEDULER
+        rank = tp_rank(tp_size) if worker and tp_size > 1 else 0
+        self._keys = schemes.of_rank(rank)
+        if not worker:
+            _warn_failure_policy(transfer)
         self._client: StoreClient | None = clients.acquire(
             self._store_config,
             contribute=role != KVConnectorRole.SCHEDULER,
@@ -167,7 +205,6 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._registered: list[int] = []
-        self._keys = schemes.of_rank(tp_rank() if tp_size > 1 else 0)
         self._num_blocks = kv_cache_config.num_blocks
         try:
             if role == KVConnectorRole.SCHEDULER:
@@ -183,9 +220,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                     world_size=parallel.world_size,
                     lookup_timeout_s=lookups.timeout_ms / 1000,
                     max_pending=lookups.max_pending,
-                    failed_keys=FailedKeys(
-                        failed_load_ttl_s(extra, DEFAULT_TTL_S)
-                    ),
+                    failed_keys=FailedKeys(lookups.failed_load_ttl_s),
                     groups=self._groups if hybrid else None,
                 )
             self._trace = _open_trace(trace, self._scheduler)
@@ -279,6 +314,44 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         """Saves still pin blocks: keep the engine stepping."""
         return self.scheduler_side.has_pending_push_work()
+
+    def reset_cache(self) -> bool | None:
+        """Move to a new weights generation: KV stored before never hits.
+
+        vLLM 0.33 calls it on the scheduler-role connector for
+        ``reset_prefix_cache(reset_connector=True)`` (RL frameworks do,
+        after every weight update).  The new generation,
+        ``<weights_version>+reset-<random>``, is this instance's own: no
+        earlier KV and no other instance shares its keys, since nothing
+        tells the connector which weights another instance now holds.
+        Later lookups and jobs use it (the worker half learns it from the
+        step's metadata); jobs already issued keep theirs.  Old keys are
+        not removed: instances that did not reset still serve them, and
+        the master's eviction reclaims them once unused.
+
+        Returns:
+            True once moved (scheduler role); False after `shutdown`;
+            None in the worker role (vLLM does not call it there).
+        """
+        if self._scheduler is None:
+            return None
+        if self._client is None:
+            return False
+        generation = f"{self._weights_version}+reset-{uuid.uuid4().hex}"
+        self._scheduler.reset_generation(
+            generation,
+            StoreLookup(
+                self._client,
+                self._schemes.of_generation(generation).every_shard(),
+                self._groups,
+            ),
+        )
+        log.info(
+            "kv-lifecycle: cache reset, new weights generation %r; KV "
+            "stored before it will not be loaded",
+            generation,
+        )
+        return True
 
     def wait_for_lookups(self, timeout_s: float) -> bool:
         """Block until this step's lookups ran: harnesses and tests only.

@@ -76,6 +76,11 @@ class RecentBlocks:
         """Misses and saves remembered (expired misses included)."""
         return len(self._misses) + len(self._saved)
 
+    def clear(self) -> None:
+        """Forget every miss and save (the keys they were about changed)."""
+        self._misses.clear()
+        self._saved.clear()
+
     # -- misses ---------------------------------------------------------------
 
     def missed(self, block_hash: bytes) -> None:

@@ -31,6 +31,7 @@ from lifecycle import (
     define_tracker,
 )
 from lifecycle.kv import TABLE, Event, KVTracker, State
+from lifecycle.testing import stock_trigger
 
 E = Event
 # One request's life through the table: 10 legal events, with callbacks.
@@ -207,7 +208,7 @@ def _illegal(
 def _stock(
     machine: LifecycleMachine[State, Event], n: int
 ) -> Callable[[], int]:
-    events = {e: machine.stock_trigger(e) for e in Event}
+    events = {e: stock_trigger(machine, e) for e in Event}
 
     trackers = [KVTracker(f"r{i}") for i in range(n)]
 

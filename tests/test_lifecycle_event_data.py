@@ -21,6 +21,7 @@ from lifecycle import (
     Tracker,
     define_tracker,
 )
+from lifecycle.testing import fire_stock
 from tests.user_lifecycle import TABLE, JobEvent, JobTracker
 
 
@@ -120,7 +121,7 @@ class TestEventData:
         machine: LifecycleMachine[St, Ev, Job] = LifecycleMachine(JOB_TABLE)
         fast, stock = Job("a"), Job("a")
         assert machine.fire(fast, Ev.START, data=7)
-        assert machine.fire_stock(stock, Ev.START, data=7)
+        assert fire_stock(machine, stock, Ev.START, data=7)
         assert (
             fast.seen
             == stock.seen

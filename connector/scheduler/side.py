@@ -683,12 +683,12 @@ class SchedulerSide:
             tracker.pending_jobs.discard(job.job_id)
         if job.kind is JobKind.SAVE:
             event = Event.SAVE_DONE if ok else Event.SAVE_FAILED
-            self.registry.fire(job.req_id, event, epoch=job.epoch, known=False)
+            self.registry.fire_if_tracked(job.req_id, event, epoch=job.epoch)
             return False
         event = Event.LOAD_DONE if ok else Event.LOAD_FAILED
         if tracker is not None and tracker.load_job == job.job_id:
             tracker.load_job = -1
             tracker.load_failures += not ok
-        return self.registry.fire(
-            job.req_id, event, epoch=job.epoch, known=False
+        return self.registry.fire_if_tracked(
+            job.req_id, event, epoch=job.epoch
         )

@@ -390,7 +390,7 @@ class WorkerSide:
             if tracker is not None:
                 self._catch_up(tracker, epoch)
         for req_id in sorted(meta.finished):
-            self.registry.fire(req_id, Event.FINISH, known=False)
+            self.registry.fire_if_tracked(req_id, Event.FINISH)
         for job in meta.jobs:
             if job.kind is JobKind.LOAD and self._accept(job):
                 if job.finished:  # its finish notice came before the job

@@ -68,6 +68,11 @@ class Registry(Padded, Generic[S, E, T, D]):
             state: usually the tracker class itself.  The base `Tracker`
             class is accepted too: its trackers start in the table's
             initial state.
+        continue_epochs: Start the tracker of a reused key above its
+            predecessor's epoch (the default), so that predecessor's
+            completions are stale.  False restarts at 0: only for a
+            registry that mirrors another one's epochs (it learns them
+            from the jobs it is given).
 
     Raises:
         TypeError: the factory is a tracker class that would be slow or
@@ -78,6 +83,7 @@ class Registry(Padded, Generic[S, E, T, D]):
 
     __slots__ = (
         "_checked",
+        "_continue",
         "_factory",
         "_floor",
         "_lock",
@@ -92,6 +98,8 @@ class Registry(Padded, Generic[S, E, T, D]):
         self,
         machine: LifecycleMachine[S, E, T, D],
         factory: TrackerFactory[T],
+        *,
+        continue_epochs: bool = True,
     ) -> None: ...
 
     @overload
@@ -99,12 +107,19 @@ class Registry(Padded, Generic[S, E, T, D]):
         self: Registry[S, E, Tracker[S, Hashable], D],
         machine: LifecycleMachine[S, E, Tracker[S, Hashable], D],
         factory: type[Tracker[S, Hashable]],
+        *,
+        continue_epochs: bool = True,
     ) -> None: ...
 
     def __init__(
-        self, machine: LifecycleMachine[S, E, Any, D], factory: Any
+        self,
+        machine: LifecycleMachine[S, E, Any, D],
+        factory: Any,
+        *,
+        continue_epochs: bool = True,
     ) -> None:
         self.machine = machine
+        self._continue = continue_epochs
         """The shared machine (its table, counters and observers)."""
         table = machine.table
         self._trackers: dict[Hashable, T] = {}
@@ -252,6 +267,8 @@ class Registry(Padded, Generic[S, E, T, D]):
         with self._lock:
             if self._trackers.get(key) is tracker:
                 del self._trackers[key]
+            if not self._continue:
+                return
             retired = self._retired
             retired[key] = max(retired.get(key, 0), tracker.epoch + 1)
             if len(retired) > RETIRED_KEYS:

@@ -169,7 +169,11 @@ class WorkerSide:
         self.moved: Counter[tuple[str, int, str]] = Counter()
         self._moved_lock = threading.Lock()
         self.machine: KVMachine = machine or LifecycleMachine(TABLE)
-        self.registry = Registry(self.machine, KVTracker)
+        # Epochs come from the scheduler's jobs (`_catch_up`): a reused id
+        # restarts at 0 here and catches up to the scheduler's epoch.
+        self.registry = Registry(
+            self.machine, KVTracker, continue_epochs=False
+        )
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
         self._queues: dict[
             JobKind, queue.SimpleQueue[tuple[TransferJob, CopyWaits] | None]

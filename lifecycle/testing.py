@@ -227,7 +227,7 @@ def tracker_in(
     machine: LifecycleMachine[S, E, Any, Any],
     factory: Callable[[str], T],
     *,
-    req_id: str = "req-under-test",
+    req_id: Any = "req-under-test",
     setups: SetUps | None = None,
 ) -> T:
     """A fresh tracker from `factory` driven to `state` by its shortest path.
@@ -248,6 +248,8 @@ def check_row(
     table: Table[S, E, Any],
     factory: Factory,
     setups: SetUps | None = None,
+    *,
+    key: Any = "req-under-test",
 ) -> None:
     """Assert that `row` applies when its set-up ran, on a fresh machine.
 
@@ -259,7 +261,9 @@ def check_row(
         AssertionError: naming the row and what went wrong.
     """
     machine: LifecycleMachine[S, E, Any, Any] = LifecycleMachine(table)
-    tracker = tracker_in(row.source, machine, factory, setups=setups)
+    tracker = tracker_in(
+        row.source, machine, factory, setups=setups, req_id=key
+    )
     _fire_row(machine, tracker, row, setups)
     if tracker.state is not row.dest:
         msg = f"row `{row}`: wrong target {tracker.state.name}"
@@ -280,6 +284,8 @@ def check_case(
     table: Table[S, E, Any],
     factory: Factory,
     setups: SetUps | None = None,
+    *,
+    key: Any = "req-under-test",
 ) -> None:
     """Assert the table's promise for one pair on fresh machines.
 
@@ -292,7 +298,7 @@ def check_case(
     rows = table.rows_for(case.state, case.event)
     if any(r.guard is not None for r in rows):
         for row in rows:
-            check_row(row, table, factory, setups)
+            check_row(row, table, factory, setups, key=key)
         return
     logger = logging.getLogger(f"lifecycle.testing.{table.name}.{case.id}")
     logger.propagate = False
@@ -303,7 +309,9 @@ def check_case(
         machine: LifecycleMachine[S, E, Any, Any] = LifecycleMachine(
             table, logger=logger
         )
-        tracker = tracker_in(case.state, machine, factory, setups=setups)
+        tracker = tracker_in(
+            case.state, machine, factory, setups=setups, req_id=key
+        )
         handler.records.clear()
         before = attrs.asdict(tracker, recurse=False)
         applied = machine.fire(tracker, case.event)
@@ -331,7 +339,7 @@ def check_case(
                 case,
                 f"expected one structured log record, got {fields}",
             )
-            _check_strict(case, table, factory, setups)
+            _check_strict(case, table, factory, setups, key)
     finally:
         logger.removeHandler(handler)
 
@@ -341,11 +349,14 @@ def _check_strict(
     table: Table[S, E, Any],
     factory: Factory,
     setups: SetUps | None,
+    key: Any,
 ) -> None:
     strict: LifecycleMachine[S, E, Any, Any] = LifecycleMachine(
         table, strict=True
     )
-    tracker = tracker_in(case.state, strict, factory, setups=setups)
+    tracker = tracker_in(
+        case.state, strict, factory, setups=setups, req_id=key
+    )
     try:
         strict.fire(tracker, case.event)
     except IllegalTransition as exc:
@@ -418,6 +429,7 @@ def table_tests(  # noqa: C901 - one class of small tests
     *,
     examples: int = 200,
     setups: SetUps | None = None,
+    key: Any = "req-under-test",
 ) -> type:
     """A pytest test class holding the generated tests of `table`.
 
@@ -433,6 +445,10 @@ def table_tests(  # noqa: C901 - one class of small tests
     path matches the stock `transitions` trigger on `examples` random event
     sequences (hypothesis); a registry drops trackers at terminal states.
 
+    `setups` makes guarded rows reachable (see the module docstring);
+    `key` is the tracker key the tests use (a str; pass another for
+    trackers keyed otherwise, e.g. ``key=1``).
+
     Raises:
         TypeError: `factory` does not build trackers of `table` (checked
             once, here, rather than by every generated test).
@@ -440,7 +456,7 @@ def table_tests(  # noqa: C901 - one class of small tests
     import pytest
     from hypothesis import given, settings
 
-    Registry(LifecycleMachine(table), factory).get_or_create("factory-check")
+    Registry(LifecycleMachine(table), factory).get_or_create(key)
     structure = table.without_callbacks()
     routes = {r: _route for r in structure.rows if r.guard is not None}
     guarded = [r for r in table.rows if r.guard is not None]
@@ -448,7 +464,7 @@ def table_tests(  # noqa: C901 - one class of small tests
     class GeneratedTableTests:
         @pytest.mark.parametrize("case", pytest_cases(table))
         def test_every_state_event_pair(self, case: Case[Any, Any]) -> None:
-            check_case(case, table, factory, setups)
+            check_case(case, table, factory, setups, key=key)
 
         @pytest.mark.parametrize(
             "row", [pytest.param(r, id=str(r)) for r in guarded] or [None]
@@ -459,7 +475,7 @@ def table_tests(  # noqa: C901 - one class of small tests
             if row is None:
                 assert not guarded
                 return
-            check_row(row, table, factory, setups)
+            check_row(row, table, factory, setups, key=key)
 
         def test_matrix_is_the_full_product(self) -> None:
             cases = matrix(table)
@@ -476,7 +492,9 @@ def table_tests(  # noqa: C901 - one class of small tests
             )
             assert set(shortest_paths(table)) == set(table.states)
             for state in table.states:
-                tracker = tracker_in(state, machine, factory, setups=routes)
+                tracker = tracker_in(
+                    state, machine, factory, setups=routes, req_id=key
+                )
                 assert tracker.state is state
 
         def test_total_events_and_terminal_states(self) -> None:
@@ -493,13 +511,13 @@ def table_tests(  # noqa: C901 - one class of small tests
             )
             for state in table.terminal:
                 registry = Registry(machine, factory)
-                tracker = registry.get_or_create("r")
+                tracker = registry.get_or_create(key)
                 *path, last = shortest_row_paths(structure)[state]
                 for row in path:
                     registry.fire_on(tracker, row.event, data=row.dest)
-                assert "r" in registry
+                assert key in registry
                 assert registry.fire_on(tracker, last.event, data=last.dest)
-                assert "r" not in registry
+                assert key not in registry
 
         @settings(max_examples=examples, deadline=None)
         @given(events=event_sequences(table))
@@ -509,7 +527,7 @@ def table_tests(  # noqa: C901 - one class of small tests
             machine: LifecycleMachine[Any, Any, Any, Any] = LifecycleMachine(
                 table
             )
-            fast, stock = factory("r"), factory("r")
+            fast, stock = factory(key), factory(key)
             for event in events:
                 assert machine.fire(fast, event) == fire_stock(
                     machine, stock, event

@@ -237,14 +237,14 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
 
     @property
     def name(self) -> str:
-        """The table's name: how logs, traces, metrics and errors call it."""
+        """The table's name, as logs, traces, metrics and errors call it."""
         return self.table.name
 
     # -- read-only counters -----------------------------------------------
 
     @property
     def illegal_counts(self) -> Counts[tuple[S | None, E]]:
-        """Illegal orderings by (state, event); state None: an unknown id.
+        """Illegal orderings by (state, event), state None for unknown ids.
 
         A read-only live view (missing keys read 0); `rejected_counts`
         copies it under the lock.
@@ -326,7 +326,6 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         def fire_unlocked(  # noqa: C901 - one flat function is fastest
             tracker: T,
             event: E,
-            *,
             epoch: int | None = None,
             data: D | None = None,
         ) -> bool:
@@ -376,9 +375,7 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
                     raise ReentrantFire(event, tracker.req_id, machine.name)
                 busy[0] = True
                 try:
-                    return fire_unlocked(
-                        tracker, event, epoch=epoch, data=data
-                    )
+                    return fire_unlocked(tracker, event, epoch, data)
                 finally:
                     busy[0] = False
 

@@ -12,6 +12,7 @@ lifecycles and replays across them.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -237,3 +238,32 @@ def test_one_trace_for_both_lifecycles_replays_across_them(
     assert result.summary()["tables"]["offload_block"]["illegal"] == {
         "PINNED/evict": 1
     }
+
+
+def test_the_cli_replays_a_shared_trace_across_tables(
+    tmp_path: Path, capsys: Any
+) -> None:
+    from lifecycle.__main__ import main  # noqa: PLC0415
+
+    state = OffloadingState()
+    path = tmp_path / "offload.jsonl"
+    writer = TraceWriter.open(path)
+    writer.attach(state.request_machine)
+    writer.attach(state.block_machine)
+    job = state.start_store(3)
+    assert job is not None
+    state.store_complete(job.job_id, ok=True)
+    state.lookup("r", [3])
+    state.finish("r")
+    writer.close()
+    spec = "examples.offloading_connector:"
+    assert main(["replay", str(path), "--table", f"{spec}REQUEST"]) == 1
+    capsys.readouterr()  # block lines are malformed without --also
+    argv = ["replay", str(path), "--table", f"{spec}REQUEST", "--json"]
+    assert main([*argv, "--also", f"{spec}BLOCK"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tables"]["offload_block"]["transitions"] == {
+        "EMPTY --store--> STORING": 1,
+        "STORING --store_done--> STORED": 1,
+    }
+    assert out["divergences"] == 0

@@ -11,6 +11,7 @@ import enum
 import json
 import logging
 import threading
+import time
 from typing import Any
 
 import attrs
@@ -281,6 +282,14 @@ class TestGeneratedTestsReachGuardedRows:
                 ROWS[2], SLOTS, SlotTracker, {ROWS[2]: pinned_by(1)}, key=1
             )
 
+    def test_a_row_every_guard_refuses_fails_too(self) -> None:
+        with pytest.raises(AssertionError) as info:
+            check_row(
+                ROWS[2], SLOTS, SlotTracker, {ROWS[2]: pinned_by(0)}, key=1
+            )
+        assert "`PINNED --unpin--> PINNED`" in str(info.value)
+        assert "the event was refused" in str(info.value)
+
     def test_with_a_set_up_the_row_applies(self) -> None:
         check_row(ROWS[2], SLOTS, SlotTracker, SETUPS, key=1)
         check_row(ROWS[3], SLOTS, SlotTracker, SETUPS, key=1)
@@ -374,7 +383,11 @@ class TestIdentity:
         assert registry.get_or_create(99).epoch == 12
 
     def test_concurrent_creation_gives_one_tracker(self) -> None:
-        registry = Registry(_machine(), SlotTracker)
+        def slow(key: int) -> SlotTracker:
+            time.sleep(0.01)  # every thread is inside the factory at once
+            return SlotTracker(key)
+
+        registry = Registry(_machine(), slow)
         seen: list[SlotTracker] = []
         barrier = threading.Barrier(8)
 

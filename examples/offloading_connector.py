@@ -11,9 +11,9 @@ loads those blocks back instead of recomputing them.  Two lifecycles:
   a cache slot is stored, read, evicted and stored again forever).  Readers
   are reference-counted: ``unpin`` chooses its next state from the count
   (guarded alternatives), and a block is evicted only without readers
-  (``evict`` has no row from PINNED).  A store has its own epoch: a
+  (``evict`` has no row from PINNED).  A store has the block's epoch: a
   cancelled store's late completion is stale, and its ``always`` callback
-  still settles the store's in-flight count.
+  still settles the store's in-flight count, whatever the block's state.
 
 The pattern for work that spans two trackers
 --------------------------------------------
@@ -236,12 +236,10 @@ BS, BE = BlockState, BlockEvent
 # eviction with readers is an illegal ordering by construction.  `unpin`
 # has two guarded rows: the count decides.  A cancelled store's completion
 # arrives stale; its `always` callback settles `storing` in whatever state
-# the block is then (EMPTY, or STORING again for a newer store).
+# the block is then (EMPTY, STORING again, STORED by a newer store...).
 BLOCK: Final[Table[BlockState, BlockEvent]] = Table(
     [
         Row(BS.EMPTY, BE.STORE, BS.STORING, after=(issue_store,)),
-        Row(BS.EMPTY, BE.STORE_DONE, BS.EMPTY, always=(settle_store,)),
-        Row(BS.EMPTY, BE.STORE_FAILED, BS.EMPTY, always=(settle_store,)),
         Row(BS.STORING, BE.STORE_DONE, BS.STORED, always=(settle_store,)),
         Row(BS.STORING, BE.STORE_FAILED, BS.EMPTY, always=(settle_store,)),
         Row(BS.STORING, BE.CANCEL, BS.EMPTY, after=(drop_copy,)),

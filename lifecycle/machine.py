@@ -171,8 +171,8 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         event: The event (a member of the table's event enum).
         epoch: The epoch a transfer job was issued in.  If it differs
             from the tracker's, the event is stale: counted, never
-            applied, never raised; the ``always`` callbacks of the rows
-            for (tracker state, event) still run.
+            applied, never raised; the ``always`` callbacks of the
+            event's rows still run.
         data: Passed to every guard and callback the event runs, as
             their second argument (None when not given).
 
@@ -222,8 +222,8 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         self._counts: list[int] = [0] * len(table.rows)
         self._busy = [False]  # inside a transition (the reentrancy check)
         self._dispatch = self._compile()
-        self._always: dict[tuple[S, E], tuple[Callback, ...]] = {
-            (r.source, r.event): table.stale_callbacks(r.source, r.event)
+        self._always: dict[E, tuple[Callback, ...]] = {
+            r.event: table.stale_callbacks(r.event)
             for r in table.rows
             if r.always
         }
@@ -479,7 +479,7 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
             "stale lifecycle event (ignored):",
             self._fields(tracker, state, event) | {"job_epoch": epoch},
         )
-        always = self._always.get((state, event))
+        always = self._always.get(event)
         if always:
             current = tracker.epoch
             try:

@@ -50,8 +50,8 @@ Rules
   and guard is called ``(tracker, data)``: ``data`` is what the caller
   passed as ``fire(..., data=)`` (None by default), typed by the table's
   third parameter ``D``.  ``always=`` names callbacks that also run for a
-  stale completion.  Callbacks only touch the tracker (and their data);
-  they never fire events.
+  stale completion of the row's event, in any state.  Callbacks only touch
+  the tracker (and their data); they never fire events.
 
 Building a `Table` validates it and reports every defect at once in one
 `InvalidTable`.
@@ -125,10 +125,10 @@ class Row(Padded, Generic[S, E, D]):
             change (counted in `LifecycleMachine.guard_counts`, not an
             illegal ordering).
         always: Callables that run after `after` when the row applies,
-            and also, alone and without a state change, when the event
-            arrives *stale* (an older epoch) while the tracker is in
-            `source`: work that must happen whatever the epoch, such as
-            releasing what the completing job held.
+            and also, alone and without a state change, for every *stale*
+            completion of `event` (an older epoch), whatever the tracker's
+            state then: work that must happen whatever the epoch, such as
+            settling what the completing job held.
 
     Rows compare and hash by (source, event, dest, guard).  Several rows
     may share a (source, event) when all but the last have a guard: they
@@ -272,11 +272,14 @@ class Table(Padded, Generic[S, E, D]):
         """What applying `row` runs: enter hooks, `after`, then `always`."""
         return (*self.on_enter.get(row.dest, ()), *row.after, *row.always)
 
-    def stale_callbacks(self, state: S, event: E) -> tuple[Callback, ...]:
-        """What a stale `event` runs in `state`: its rows' `always`."""
+    def stale_callbacks(self, event: E) -> tuple[Callback, ...]:
+        """What a stale `event` runs, in any state: its rows' `always`.
+
+        Each callable once, in table order.
+        """
         seen: list[Callback] = []
         for row in self.rows:
-            if row.source is state and row.event is event:
+            if row.event is event:
                 seen.extend(cb for cb in row.always if cb not in seen)
         return tuple(seen)
 

@@ -161,6 +161,16 @@ class TestAlwaysCallbacks:
         assert job.held == 0  # but what it held is released
         assert job.seen[-1] == ("release", "old")
 
+    def test_always_runs_when_stale_in_a_state_without_that_row(self) -> None:
+        machine: LifecycleMachine[St, Ev, Job] = LifecycleMachine(JOB_TABLE)
+        job = Job("j")
+        machine.fire(job, Ev.START)
+        machine.fire(job, Ev.BUMP)
+        machine.fire(job, Ev.FINISH)  # DONE has no `stored` row
+        assert not machine.fire(job, Ev.STORED, epoch=0, data="late")
+        assert job.state is St.DONE
+        assert (job.held, job.seen[-1]) == (0, ("release", "late"))
+
     def test_plain_after_callbacks_do_not_run_when_stale(self) -> None:
         machine: LifecycleMachine[St, Ev, Job] = LifecycleMachine(JOB_TABLE)
         job = Job("j", epoch=1)

@@ -359,9 +359,8 @@ class TestToolsTakeAnyTable:
         done = _cli("table", "--table", self.SPEC, cwd=tmp_path)
         assert done.returncode == 0
         assert done.stdout == render.to_markdown(TABLE)
-        assert "| ABORTED | `retry` | WAITING | `count_attempt` |" in (
-            done.stdout
-        )
+        row = "| ABORTED | `retry` | `can_retry` | WAITING | `count_attempt` |"
+        assert row in done.stdout
 
     def test_an_unknown_table_is_a_usage_error(self, tmp_path) -> None:
         done = _cli("table", "--table", "tests.user_lifecycle:NOPE", cwd=ROOT)

@@ -118,6 +118,16 @@ def coerce_int(key: str, value: object) -> int:
     return value
 
 
+def coerce_seconds(key: str, value: object) -> float:
+    """A finite number of seconds, at least 0 (ints accepted)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(key, value, "expected a number of seconds")
+    seconds = float(value)
+    if not 0 <= seconds < float("inf"):
+        raise ConfigError(key, value, "expected a finite number >= 0")
+    return seconds
+
+
 def coerce_str(key: str, value: object) -> str:
     """A string, stripped."""
     if not isinstance(value, str):

@@ -46,12 +46,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
 from connector.errors import UnsupportedKVGroups
 from connector.metadata import JobKind, TransferJob
+
+if TYPE_CHECKING:
+    from connector.worker.deadline import Deadline
 
 __all__ = [
     "NULL_BLOCK",
@@ -287,9 +290,16 @@ class Lane:
 
 
 def move_blocks(
-    lanes: Sequence[Lane], store: Any, job: TransferJob, fences: Sequence[Any]
+    lanes: Sequence[Lane],
+    store: Any,
+    job: TransferJob,
+    fences: Sequence[Any],
+    deadline: Deadline | None = None,
 ) -> list[bool]:
-    """Run `job` group by group; one success flag per (group, block)."""
+    """Run `job` group by group; one success flag per (group, block).
+
+    A load's blocks not in by `deadline` fail.
+    """
     flags = [False] * len(job.block_ids)
     positions: dict[int, list[int]] = {}
     for pos, group in enumerate(job.groups()):
@@ -299,7 +309,7 @@ def move_blocks(
         keys = lane.keys.keys([job.block_hashes[p] for p in where])
         ids = [job.block_ids[p] for p in where]
         if job.kind is JobKind.LOAD:
-            got = lane.transfer.load(store, keys, ids)
+            got = lane.transfer.load(store, keys, ids, deadline)
         else:
             got = lane.transfer.save(store, keys, ids, fences[group])
         for pos, ok in zip(where, got, strict=True):

@@ -42,7 +42,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from connector.config import LookupConfig, StoreConfig, TraceConfig
+from connector.config import (
+    LoadConfig,
+    LookupConfig,
+    StoreConfig,
+    TraceConfig,
+)
 from connector.errors import ConfigError
 from connector.groups import KVGroups, Lane
 from connector.integration.stats import (
@@ -53,6 +58,7 @@ from connector.integration.stats import (
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
 from connector.scheduler.failed_keys import DEFAULT_TTL_S, FailedKeys
 from connector.scheduler.lookup import leading_hits
+from connector.scheduler.peers import FencedLookup, PeerFence, read_from
 from connector.scheduler.side import Role, SchedulerSide
 from connector.store import Regions, StoreClient, clients
 from connector.store.keys import KeyLayout, KeyScheme
@@ -114,6 +120,20 @@ class _StoreLookup:
 
     def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
         return self.hit_blocks_many([block_hashes])[0]
+
+    def read_from(self, hashes: Sequence[bytes]) -> list[tuple[str, ...]]:
+        """Per block hash, the segment each shard's get would read."""
+        keys = [k for s in self.schemes for k in s.keys(hashes)]
+        found = self.client.replica_endpoints(keys)
+        local = self.client.hostname
+        n = len(hashes)
+        return [
+            tuple(
+                read_from(found[s * n + i], local)
+                for s in range(len(self.schemes))
+            )
+            for i in range(n)
+        ]
 
     def hit_blocks_many(
         self, prefixes: Sequence[Sequence[bytes]]
@@ -241,6 +261,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         self._store_config = StoreConfig.from_vllm(extra)
         trace = TraceConfig.from_extra_config(extra)
         lookups = LookupConfig.from_extra_config(extra)
+        self._loads = LoadConfig.from_extra_config(extra)
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
         model = PurePath(str(vllm_config.model_config.model)).name
@@ -272,24 +293,31 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             if role == KVConnectorRole.SCHEDULER:
                 hybrid = self._groups.hybrid
+                ttl_s = _failed_load_ttl_s(extra)
+                fence = PeerFence(
+                    ttl_s=ttl_s, probe_s=self._loads.peer_probe_s or ttl_s
+                )
+                store_lookup = _StoreLookup(
+                    self._client,
+                    tuple(
+                        scheme(r, g.index)
+                        for g in self._groups.groups
+                        for r in range(tp_size)
+                    ),
+                    self._groups,
+                )
                 self._scheduler = SchedulerSide(
                     block_size=self._groups.groups[0].block_size
                     if hybrid
                     else vllm_config.cache_config.block_size,
                     role=Role(transfer.kv_role),
-                    lookup=_StoreLookup(
-                        self._client,
-                        tuple(
-                            scheme(r, g.index)
-                            for g in self._groups.groups
-                            for r in range(tp_size)
-                        ),
-                        self._groups,
+                    lookup=FencedLookup(
+                        store_lookup, fence, store_lookup.read_from
                     ),
                     world_size=parallel.world_size,
                     lookup_timeout_s=lookups.timeout_ms / 1000,
                     max_pending=lookups.max_pending,
-                    failed_keys=FailedKeys(_failed_load_ttl_s(extra)),
+                    failed_keys=FailedKeys(ttl_s, peers=fence),
                     groups=self._groups if hybrid else None,
                 )
             self._trace = _open_trace(trace, self._scheduler)
@@ -413,6 +441,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 Regions,
                 transfer=lanes[0].transfer,
                 lanes=lanes,
+                load_timeout_s=self._loads.timeout_s,
             )
         else:
             self._worker = WorkerSide.for_kv_caches(
@@ -422,6 +451,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 self._num_blocks,
                 Regions,
                 register=client.register,
+                load_timeout_s=self._loads.timeout_s,
             )
         self._registered.extend(self._worker.registered)
         self._stats.watch(self._worker.machine)
@@ -450,6 +480,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 self._num_blocks,
                 Regions,
                 register=client.register,
+                deadlines=self._loads.timeout_s is not None,
             )
             keys = self._keys[group.index]
             lanes.append(Lane(keys, transfer, keys.layout.block_bytes))
@@ -609,6 +640,11 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             self._scheduler.close()
         if self._worker is not None:
+            # Load staging may have registered more buffers since.
+            more = self._worker.registered
+            self._registered.extend(
+                p for p in more if p not in self._registered
+            )
             self._worker.shutdown()
             self._worker = None
         if self._client is not None:

@@ -61,6 +61,7 @@ from connector.metadata import (
     TransferJob,
     WorkerReport,
 )
+from connector.worker.deadline import Deadline
 from connector.worker.transfer import (
     BatchOutcome,
     BlockStore,
@@ -94,6 +95,10 @@ _DONE: Final = {
     JobKind.LOAD: (Event.LOAD_DONE, Event.LOAD_FAILED),
     JobKind.SAVE: (Event.SAVE_DONE, Event.SAVE_FAILED),
 }
+
+
+_Queued = tuple[TransferJob, CopyWaits, Deadline | None]
+"""A queued job: its save fence and its load deadline."""
 
 
 class KeyMaker(Protocol):
@@ -145,6 +150,10 @@ class WorkerSide:
         machine: The worker's lifecycle machine (strict in tests).
         lanes: Per KV cache group, how its blocks move (hybrid models;
             default: one group, `keys` over `transfer`).
+        load_timeout_s: Each load's deadline, from when the worker takes
+            it; its blocks not in by then fail (vLLM recomputes them) and
+            are never written later.  None: unbounded.  The transfer must
+            honour it (`open_transfer(deadlines=True)`, or staging).
     """
 
     def __init__(
@@ -157,8 +166,10 @@ class WorkerSide:
         transfer: Transfer | None = None,
         machine: KVMachine | None = None,
         lanes: Sequence[Lane] = (),
+        load_timeout_s: float | None = None,
     ) -> None:
         self._store = store
+        self.load_timeout_s = load_timeout_s
         self._keys = keys
         self.layout = layout
         self.transfer: Transfer = transfer or Direct(layout, regions)
@@ -171,9 +182,9 @@ class WorkerSide:
         self.machine: KVMachine = machine or LifecycleMachine(TABLE)
         self.registry = Registry(self.machine, KVTracker)
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
-        self._queues: dict[
-            JobKind, queue.SimpleQueue[tuple[TransferJob, CopyWaits] | None]
-        ] = {k: queue.SimpleQueue() for k in JobKind}
+        self._queues: dict[JobKind, queue.SimpleQueue[_Queued | None]] = {
+            k: queue.SimpleQueue() for k in JobKind
+        }
         self._threads = [
             threading.Thread(
                 target=self._serve,
@@ -186,6 +197,10 @@ class WorkerSide:
         for thread in self._threads:
             thread.start()
         self._load_errors: set[int] = set()
+        # Loads with a deadline not yet drained, by job id (forward thread).
+        self._deadlines: dict[int, tuple[TransferJob, Deadline]] = {}
+        #: Loads the watchdog reported failed at their deadline.
+        self.loads_expired = 0
         #: Requests whose reported load had a failed block (hybrid models
         #: report these, not block ids: `take_failed_loads`).
         self._failed_loads: set[str] = set()
@@ -210,12 +225,14 @@ class WorkerSide:
         register: Register,
         staging_blocks: int | None = None,
         machine: KVMachine | None = None,
+        load_timeout_s: float | None = None,
     ) -> WorkerSide:
         """A worker over vLLM's KV tensors, their memory registered once.
 
         CUDA caches go through pinned staging (see
         `connector.worker.transfer`); host caches are zero copy unless
-        `staging_blocks` is given.
+        `staging_blocks` is given; with `load_timeout_s`, loads go
+        through staging so a late one never writes into the cache.
 
         Raises:
             ValueError: the KV tensors fit no known layout.
@@ -226,6 +243,7 @@ class WorkerSide:
             regions,
             register=register,
             staging_blocks=staging_blocks,
+            deadlines=load_timeout_s is not None,
         )
         layout = KVLayout.from_tensors(kv_caches, num_blocks)
         return cls(
@@ -235,6 +253,7 @@ class WorkerSide:
             regions,
             transfer=transfer,
             machine=machine,
+            load_timeout_s=load_timeout_s,
         )
 
     @property
@@ -277,7 +296,7 @@ class WorkerSide:
             if job.kind is not JobKind.SAVE or not self._accept(job):
                 continue
             if job.pinned:
-                self._queues[JobKind.SAVE].put((job, fence))
+                self._queues[JobKind.SAVE].put((job, fence, None))
             else:
                 self._run(job, fence)
 
@@ -290,6 +309,8 @@ class WorkerSide:
         `get_block_ids_with_load_errors`); never when stale or orphaned.
         """
         recving: set[str] = set()
+        if self._deadlines:
+            self._expire_loads()
         while True:
             try:
                 done = self._done.get_nowait()
@@ -297,6 +318,7 @@ class WorkerSide:
                 break
             self.verdicts[done.verdict] += 1
             job = done.job
+            self._deadlines.pop(job.job_id, None)
             kept = done.verdict in {Verdict.APPLIED, Verdict.ORPHAN}
             good = done.ok and kept
             self._step_results.append(
@@ -316,6 +338,29 @@ class WorkerSide:
                 if done.failed_blocks:
                     self._failed_loads.add(job.req_id)
         return None, recving or None
+
+    def _expire_loads(self) -> None:
+        """The watchdog: a load past its deadline is reported failed now.
+
+        Whatever its transfer is doing (queued behind another, or in a
+        get that never returns): the deadline's claim keeps the loading
+        thread from writing or reporting it afterwards.
+        """
+        now = time.monotonic()
+        for job_id, (job, deadline) in list(self._deadlines.items()):
+            if deadline.at > now or not deadline.expire():
+                continue
+            del self._deadlines[job_id]
+            self.loads_expired += 1
+            self.jobs_failed[JobKind.LOAD] += 1
+            log.warning(
+                "load job %d for %s passed its %.3g s deadline; its blocks "
+                "are recomputed",
+                job_id,
+                job.req_id,
+                self.load_timeout_s,
+            )
+            self._post(job, self._complete(job, ok=False))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes)."""
@@ -365,11 +410,15 @@ class WorkerSide:
                     except queue.Empty:
                         break
                     if item is not None:
-                        self._cancel(item[0])
+                        self._cancel(item[0], item[2])
                 source.put(None)
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(deadline - time.monotonic(), 0.0))
+        for lane in self.lanes:
+            staging = getattr(lane.transfer, "loads", None)
+            if staging is not None:
+                staging.close()
         stopped = not any(t.is_alive() for t in self._threads)
         if not stopped:
             log.warning(
@@ -391,11 +440,16 @@ class WorkerSide:
                 self._catch_up(tracker, epoch)
         for req_id in sorted(meta.finished):
             self.registry.fire(req_id, Event.FINISH, known=False)
+        timeout = self.load_timeout_s
         for job in meta.jobs:
             if job.kind is JobKind.LOAD and self._accept(job):
                 if job.finished:  # its finish notice came before the job
                     self.registry.fire(job.req_id, Event.FINISH)
-                self._queues[JobKind.LOAD].put((job, ()))
+                deadline = None
+                if timeout is not None:
+                    deadline = Deadline.after(timeout)
+                    self._deadlines[job.job_id] = (job, deadline)
+                self._queues[JobKind.LOAD].put((job, (), deadline))
 
     def _catch_up(self, tracker: KVTracker, epoch: int) -> None:
         """Replay preemptions the worker learns of late, through the table."""
@@ -445,7 +499,9 @@ class WorkerSide:
             verdict = _refusal(tracker, job)
         return verdict
 
-    def _cancel(self, job: TransferJob) -> None:
+    def _cancel(self, job: TransferJob, deadline: Deadline | None) -> None:
+        if deadline is not None and not deadline.claim():
+            return  # the watchdog reported it already
         self.jobs_cancelled += 1
         self._complete(job, ok=False)
         self._post(job, Verdict.CANCELLED)
@@ -484,11 +540,22 @@ class WorkerSide:
         while (item := source.get()) is not None:
             self._run(*item)
 
-    def _run(self, job: TransferJob, fence: CopyWaits) -> None:
-        """Run one job and fire its completion; never raises."""
+    def _run(
+        self,
+        job: TransferJob,
+        fence: CopyWaits,
+        deadline: Deadline | None = None,
+    ) -> None:
+        """Run one job and fire its completion; never raises.
+
+        A load the watchdog already reported (its `deadline` expired) is
+        neither run nor reported again.
+        """
+        if deadline is not None and deadline.expired:
+            return
         failed: frozenset[int] = frozenset()
         try:
-            flags = move_blocks(self.lanes, self._store, job, fence)
+            flags = move_blocks(self.lanes, self._store, job, fence, deadline)
             self._count_moved(job, flags)
             failed = frozenset(
                 b for b, ok in zip(job.block_ids, flags, strict=True) if not ok
@@ -497,6 +564,8 @@ class WorkerSide:
             log.exception("%s job %d for %s failed", job.kind.value,
                           job.job_id, job.req_id)  # fmt: skip
             failed = frozenset(job.block_ids)
+        if deadline is not None and not deadline.claim():
+            return  # the watchdog reported it; nothing was written
         ok = not failed
         counter = self.jobs_done if ok else self.jobs_failed
         counter[job.kind] += 1

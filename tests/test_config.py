@@ -366,7 +366,9 @@ def test_load_bounds_default_and_parse() -> None:
     )
     assert got == LoadConfig(1.0, 0.25)
     assert isinstance(got.transfer_timeout, float)
-    assert LoadConfig.from_extra_config({"transfer_timeout": 0}).timeout_s is None
+    assert (
+        LoadConfig.from_extra_config({"transfer_timeout": 0}).timeout_s is None
+    )
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,8 @@ def test_hung_get_is_given_up_and_never_writes_the_kv_cache(
     step_job(w, 3, job(3, LOAD, "next", 0, [10, 11], keys))
     recving, results, errors = settle(w, 1, timeout=5)
     assert (recving, errors) == ([{"next"}], set())
-    for a, b in zip(blocks_of(kv, [0, 1]), blocks_of(kv, [10, 11])):
+    pairs = zip(blocks_of(kv, [0, 1]), blocks_of(kv, [10, 11]), strict=True)
+    for a, b in pairs:
         assert torch.equal(a, b)
 
 
@@ -186,7 +187,7 @@ def test_a_queued_load_past_its_deadline_is_failed_without_running(job):
     try:
         step_job(w, 1, job(1, LOAD, "a", 0, [1], ["a"]))
         step_job(w, 2, job(2, LOAD, "b", 0, [2], ["b"]))
-        recving, results, errors = settle(w, 2, timeout=5)
+        recving, _, errors = settle(w, 2, timeout=5)
         assert set().union(*recving) == {"a", "b"}
         assert errors == {1, 2}
         assert w.loads_expired == 2
@@ -251,3 +252,58 @@ def test_every_staging_buffer_held_by_late_gets_sheds_loads(store_client):
         staging.close()
         for ptr in registered:
             store_client.unregister(ptr)
+
+
+@pytest.mark.vllm
+def test_no_request_waits_for_remote_kv_past_its_deadline(extra, harnesses):
+    """vLLM 0.33's scheduler: every get hangs; the request leaves
+    WAITING_FOR_REMOTE_KVS within its deadline plus one step, recomputes,
+    and the harness's every-step KV check holds before and after the
+    hung get ends.
+    """
+    pytest.importorskip("vllm")
+    from harness import Harness  # noqa: PLC0415
+    from tests.connector_helpers import (  # noqa: PLC0415
+        CONNECTOR,
+        assert_clean,
+        prompt,
+        run,
+        store_prefix,
+    )
+
+    conf = {**extra, "transfer_timeout": TIMEOUT_S}
+
+    def make(**kwargs):
+        h = Harness(CONNECTOR, extra_config=conf, **kwargs)
+        harnesses.append(h)
+        return h
+
+    store_prefix(make, 7, 64)
+    b = make(num_blocks=40, enable_prefix_caching=False)
+    worker = b.worker_connector.worker_side
+    gate = Gate(worker._store, puts=False)
+    worker._store = gate
+    b.add_request("b", [*prompt(7, 64), 3], max_tokens=6)
+    waiting_since = None
+    late_steps = 0
+    try:
+        end = time.monotonic() + 20
+        while not b.is_idle() and time.monotonic() < end:
+            b.step()
+            now = time.monotonic()
+            status = b.requests["b"].status.name
+            if status == "WAITING_FOR_REMOTE_KVS":
+                waiting_since = waiting_since or now
+                if now > waiting_since + TIMEOUT_S:
+                    late_steps += 1
+            time.sleep(0.01)
+    finally:
+        gate.release()
+    assert gate.entered.is_set()  # the load did hang in the store
+    assert waiting_since is not None
+    assert late_steps <= 1
+    assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+    assert gate.ended.wait(10)
+    run(b)  # steps after the late get ended: the KV check still holds
+    assert worker.loads_expired + worker.jobs_failed[LOAD] >= 1
+    assert_clean(b)

@@ -113,7 +113,7 @@ def assert_same_blocks(kv_a, a_ids, kv_b, b_ids, num_blocks):
             assert torch.equal(x, y), f"block {a} != block {b}"
 
 
-def make_worker(  # noqa: PLR0917
+def make_worker(
     client,
     unique,
     kv,

@@ -191,11 +191,13 @@ class PeerFence:
         with self._lock:
             now = self._clock()
             for i, (prefix, hit) in enumerate(pairs):
+                probing: set[str] = set()  # this request probes them
                 for j, block in enumerate(prefix[:hit]):
                     sick = [p for p in peers[block] if p in self._fences]
-                    if not sick:
+                    if not sick or probing.issuperset(sick):
                         continue
                     if self._probe(block, sick, now):
+                        probing.update(sick)
                         continue
                     out[i] = j
                     self._count(clipped=1, blocks_clipped=hit - j)

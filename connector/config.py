@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -540,6 +541,23 @@ class LoadConfig:
     def timeout_s(self) -> float | None:
         """The load deadline in seconds, or None when off."""
         return self.transfer_timeout or None
+
+    def transport_env(self) -> dict[str, str]:
+        """Mooncake TCP transport bounds to match the deadline.
+
+        A transfer with no progress (or no status frame) for this many
+        whole seconds is dropped by the transport itself, so a get or a
+        put stuck on a hung peer ends soon after the deadline instead of
+        after 30 s (the transport's defaults) or 60 s (the store's own
+        wait).  Empty when the deadline is off.
+        """
+        if self.timeout_s is None:
+            return {}
+        seconds = str(max(1, math.ceil(self.timeout_s)))
+        return {
+            "MC_TCP_PROGRESS_TIMEOUT_SEC": seconds,
+            "MC_TCP_STATUS_TIMEOUT_SEC": seconds,
+        }
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object]) -> LoadConfig:

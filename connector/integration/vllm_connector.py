@@ -262,6 +262,8 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         trace = TraceConfig.from_extra_config(extra)
         lookups = LookupConfig.from_extra_config(extra)
         self._loads = LoadConfig.from_extra_config(extra)
+        for name, value in self._loads.transport_env().items():
+            os.environ.setdefault(name, value)  # an operator's value wins
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
         model = PurePath(str(vllm_config.model_config.model)).name

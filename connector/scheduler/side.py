@@ -186,9 +186,7 @@ class SchedulerSide:
         # hit), oldest lookup first: refreshed in the background.
         self._short: dict[str, RequestTracker] = {}
         self.lookup_counts: collections.Counter[str] = collections.Counter()
-        self.failed_keys = (
-            FailedKeys() if failed_keys is None else failed_keys
-        )
+        self.failed_keys = FailedKeys() if failed_keys is None else failed_keys
         self._open = self.jobs = JobTable(world_size)
         self._step = 0
         self._loads_to_issue: list[RequestTracker] = []

@@ -73,6 +73,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     import attrs  # noqa: PLC0415
 
     from connector.config import (  # noqa: PLC0415
+        LoadConfig,
         LookupConfig,
         StoreConfig,
         TraceConfig,
@@ -89,6 +90,9 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     lookups = LookupConfig()
     expected["lookup_timeout_ms"] = lookups.timeout_ms
     expected["lookup_max_pending"] = lookups.max_pending
+    loads = LoadConfig()
+    expected["transfer_timeout"] = loads.transfer_timeout
+    expected["peer_probe_s"] = loads.peer_probe_s
     assert set(rows) == set(expected)
     for key, (default, meaning) in rows.items():
         assert meaning

@@ -161,3 +161,53 @@ def test_replica_endpoints_name_the_segment_that_holds_each_key(
     found = store_client.replica_endpoints([*keys, f"{unique}/missing"])
     assert found == [(store_client.hostname,), (store_client.hostname,), ()]
     assert store_client.replica_endpoints([]) == []
+
+
+class DeadPeerStore:
+    """Gets of A's keys fail (TRANSFER_FAILED), B's succeed; counts gets."""
+
+    hostname = "B:1"
+
+    def __init__(self):
+        self.got = []
+
+    def replica_endpoints(self, keys):
+        return [("A:1",) if k.startswith("a") else ("B:1",) for k in keys]
+
+    def get(self, keys, regions):
+        from connector.store import BatchResult, Op, Outcome  # noqa: PLC0415
+
+        self.got.append(list(keys))
+        outcomes = [
+            Outcome.TRANSFER_FAILED if k.startswith("a") else Outcome.HIT
+            for k in keys
+        ]
+        return BatchResult(Op.GET, outcomes, [0] * len(keys))
+
+    def put(self, keys, regions):
+        return None
+
+
+def test_worker_skips_a_peer_whose_get_just_failed():
+    """After one failed get from A, the next gets of A's keys fail at
+    once without a transfer; B's keys are still fetched; after `hold_s`
+    A is tried again."""
+    from connector.store import Regions  # noqa: PLC0415
+    from connector.worker.sick import SickPeerStore  # noqa: PLC0415
+
+    clock = Clock()
+    dead = DeadPeerStore()
+    store = SickPeerStore(dead, hold_s=1.0, clock=clock)
+    regions = Regions.blocks(4096, 64, [0, 1, 2])
+    assert store.get(["a0", "b0"], regions.select([0, 1])).succeeded == [
+        False,
+        True,
+    ]
+    assert store.sick() == {"A:1"}
+    got = store.get(["a1", "b1", "a2"], regions)
+    assert got.succeeded == [False, True, False]
+    assert dead.got[-1] == ["b1"]  # A's keys skipped, no transfer
+    assert store.skipped == 2
+    clock.now += 1.0
+    store.get(["a1"], regions.select([0]))
+    assert dead.got[-1] == ["a1"]  # tried again after hold_s

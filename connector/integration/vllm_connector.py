@@ -62,6 +62,7 @@ from connector.scheduler.peers import FencedLookup, PeerFence, read_from
 from connector.scheduler.side import Role, SchedulerSide
 from connector.store import Regions, StoreClient, clients
 from connector.store.keys import KeyLayout, KeyScheme
+from connector.worker.sick import SickPeerStore
 from connector.worker.side import WorkerSide
 from connector.worker.transfer import KVLayout, open_transfer
 from lifecycle.trace import TraceError, TraceWriter
@@ -434,10 +435,12 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             msg = "register_kv_caches after shutdown"
             raise RuntimeError(msg)
         lanes = self._lanes(client, kv_caches)
+        probe_s = self._loads.peer_probe_s
+        store = SickPeerStore(client, hold_s=probe_s) if probe_s else client
         if lanes:  # hybrid: one lane per KV cache group
             first = {n: kv_caches[n] for n in self._group_layers(kv_caches, 0)}
             self._worker = WorkerSide(
-                client,
+                store,
                 self._keys[0],
                 KVLayout.from_tensors(first, self._num_blocks),
                 Regions,
@@ -447,7 +450,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             self._worker = WorkerSide.for_kv_caches(
-                client,
+                store,
                 self._keys[0],
                 kv_caches,
                 self._num_blocks,

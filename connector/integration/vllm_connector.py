@@ -297,8 +297,13 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             if role == KVConnectorRole.SCHEDULER:
                 hybrid = self._groups.hybrid
                 ttl_s = _failed_load_ttl_s(extra)
+                # A fence lifts once the master drops the peer (its blocks
+                # are then read elsewhere or missing); its ttl only bounds
+                # a peer that stays listed, so not below the default.
+                fence_ttl_s = max(ttl_s, DEFAULT_TTL_S)
                 fence = PeerFence(
-                    ttl_s=ttl_s, probe_s=self._loads.peer_probe_s or ttl_s
+                    ttl_s=fence_ttl_s,
+                    probe_s=self._loads.peer_probe_s or fence_ttl_s,
                 )
                 store_lookup = _StoreLookup(
                     self._client,

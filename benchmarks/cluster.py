@@ -18,6 +18,14 @@ metadata server on, loopback only) and instance processes
   while only it and B have segments (so every object has a replica in
   each), C joins, the storing instance is SIGKILLed, and B and C load
   the prefixes: loads that hit and loads that failed after the death.
+- ``hung_peer``: an instance alone stores hot prefixes (the only copy
+  lives in its segment); another loads some of them (the baseline), then
+  the owner is SIGSTOPped while the other runs requests on its other
+  prefixes, then SIGCONTed and the same prefixes are asked again.
+  Reported: requests and how many finished, mismatches (before and after
+  SIGCONT, and the baseline's), the hung run's seconds, its TTFT p99 (a
+  request without a first token counts the whole run) against the
+  baseline's, and failed loads.
 - ``restart``: A comes back (a new process, so a new segment; same model
   and namespace) once the master dropped the dead segment; B's prefixes
   hit in the new A and the new A's in B.  The new A also asks for the

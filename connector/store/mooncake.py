@@ -92,8 +92,8 @@ class MooncakeStore(Protocol):
 def memory_endpoints(replicas: Any) -> tuple[str, ...]:
     """The segments of the complete memory replicas, in the given order.
 
-    `replicas` are ``ReplicaDescriptor``s of one key; anything unreadable
-    is skipped.
+    `replicas` are the ``ReplicaDescriptor`` objects of one key;
+    anything unreadable is skipped.
     """
     endpoints = []
     for replica in replicas:

@@ -39,6 +39,8 @@ __all__ = [
     "coerce_int",
     "coerce_level",
     "coerce_path",
+    "coerce_seconds",
+    "coerce_seconds_or_off",
     "coerce_str",
     "config_key",
     "key_help",
@@ -119,7 +121,18 @@ def coerce_int(key: str, value: object) -> int:
 
 
 def coerce_seconds(key: str, value: object) -> float:
-    """A finite number of seconds, at least 0 (ints accepted)."""
+    """A positive, finite number of seconds (int or float), as a float."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value < float("inf")
+    ):
+        raise ConfigError(key, value, "expected a positive number of seconds")
+    return float(value)
+
+
+def coerce_seconds_or_off(key: str, value: object) -> float:
+    """A finite number of seconds, at least 0 (ints accepted; 0: off)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(key, value, "expected a number of seconds")
     seconds = float(value)
@@ -265,7 +278,7 @@ def check_buffer(_: object, field: attrs.Attribute[int], value: int) -> None:
         raise ConfigError(field.name, value, "must be at most 1 TiB")
 
 
-def positive(_: object, field: attrs.Attribute[int], value: int) -> None:
+def positive(_: object, field: attrs.Attribute[Any], value: float) -> None:
     """Greater than 0."""
     if value <= 0:
         raise ConfigError(config_key(field), value, "must be positive")

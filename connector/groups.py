@@ -46,23 +46,17 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import attrs
 
 from connector.errors import UnsupportedKVGroups
-from connector.metadata import JobKind, TransferJob
-
-if TYPE_CHECKING:
-    from connector.worker.deadline import Deadline
 
 __all__ = [
     "NULL_BLOCK",
     "GroupKind",
     "KVGroup",
     "KVGroups",
-    "Lane",
-    "move_blocks",
     "sliding_hit",
 ]
 
@@ -272,46 +266,3 @@ class KVGroups:
                 if i < len(table) and not (sliding and table[i] == NULL_BLOCK)
             )
         return out
-
-
-@attrs.frozen
-class Lane:
-    """How one KV cache group's blocks move on a worker.
-
-    Attributes:
-        keys: The group's store keys (its ``g<group>`` scheme).
-        transfer: Moves the group's layers of a block.
-        block_bytes: Bytes of one of the group's blocks (all its layers).
-    """
-
-    keys: Any
-    transfer: Any
-    block_bytes: int
-
-
-def move_blocks(
-    lanes: Sequence[Lane],
-    store: Any,
-    job: TransferJob,
-    fences: Sequence[Any],
-    deadline: Deadline | None = None,
-) -> list[bool]:
-    """Run `job` group by group; one success flag per (group, block).
-
-    A load's blocks not in by `deadline` fail.
-    """
-    flags = [False] * len(job.block_ids)
-    positions: dict[int, list[int]] = {}
-    for pos, group in enumerate(job.groups()):
-        positions.setdefault(group, []).append(pos)
-    for group, where in positions.items():
-        lane = lanes[group]
-        keys = lane.keys.keys([job.block_hashes[p] for p in where])
-        ids = [job.block_ids[p] for p in where]
-        if job.kind is JobKind.LOAD:
-            got = lane.transfer.load(store, keys, ids, deadline)
-        else:
-            got = lane.transfer.save(store, keys, ids, fences[group])
-        for pos, ok in zip(where, got, strict=True):
-            flags[pos] = ok
-    return flags

@@ -73,6 +73,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     import attrs  # noqa: PLC0415
 
     from connector.config import (  # noqa: PLC0415
+        IdentityConfig,
         LoadConfig,
         LookupConfig,
         StoreConfig,
@@ -90,6 +91,8 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     lookups = LookupConfig()
     expected["lookup_timeout_ms"] = lookups.timeout_ms
     expected["lookup_max_pending"] = lookups.max_pending
+    expected["failed_load_ttl_s"] = lookups.failed_load_ttl_s
+    expected["weights_version"] = IdentityConfig().weights_version
     loads = LoadConfig()
     expected["transfer_timeout"] = loads.transfer_timeout
     expected["peer_probe_s"] = loads.peer_probe_s

@@ -123,6 +123,7 @@ def make_worker(
     store=None,
     staging_blocks=None,
     load_timeout_s=None,
+    spawn=None,
 ):
     """A worker over `kv` whose keys live in the test's own namespace."""
     probe = next(iter(kv.values()))
@@ -150,6 +151,7 @@ def make_worker(
         register=client.register,
         staging_blocks=staging_blocks,
         load_timeout_s=load_timeout_s,
+        **({} if spawn is None else {"spawn": spawn}),
     )
 
 

@@ -18,6 +18,14 @@ metadata server on, loopback only) and instance processes
   while only it and B have segments (so every object has a replica in
   each), C joins, the storing instance is SIGKILLed, and B and C load
   the prefixes: loads that hit and loads that failed after the death.
+- ``hung_peer``: an instance alone stores hot prefixes (the only copy
+  lives in its segment); another loads some of them (the baseline), then
+  the owner is SIGSTOPped while the other runs requests on its other
+  prefixes, then SIGCONTed and the same prefixes are asked again.
+  Reported: requests and how many finished, mismatches (before and after
+  SIGCONT, and the baseline's), the hung run's seconds, its TTFT p99 (a
+  request without a first token counts the whole run) against the
+  baseline's, and failed loads.
 - ``restart``: A comes back (a new process, so a new segment; same model
   and namespace) once the master dropped the dead segment; B's prefixes
   hit in the new A and the new A's in B.  The new A also asks for the
@@ -122,6 +130,7 @@ class Cluster:
         for node in self.nodes:
             with contextlib.suppress(OSError):
                 if node.alive:
+                    node.resume()  # a stopped node cannot quit
                     node.send("quit")
         for node in self.nodes:
             node.close()
@@ -380,6 +389,84 @@ def replica2(
     return result, detail
 
 
+def hung_peer(
+    c: Cluster,
+    owner: Node,
+    reader: Node,
+    *,
+    prefixes: int,
+    per_prefix: int,
+    interval_s: float,
+    **load_keys: Any,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The only copy lives in a peer that hangs (SIGSTOP), then resumes.
+
+    `owner` alone has a segment and stores the hot prefixes; `reader`
+    loads some of them (the baseline), then `owner` is SIGSTOPped and
+    `reader` runs requests on its other prefixes; then SIGCONT, and the
+    same prefixes are asked again.  `load_keys` go into both extra
+    configs (e.g. ``transfer_timeout=0`` for the unbounded before).
+    """
+    master = c.master()
+    ns = "hung"
+    conf = extra(master, ns, **load_keys)
+    owner.call("open", key="m4", extra=conf, num_blocks=64)
+    base_seeds = list(range(601, 601 + prefixes))
+    hung_seeds = list(range(701, 701 + prefixes))
+    owner.call(
+        "run", key="m4", requests=workload("seed", base_seeds + hung_seeds, 1)
+    )
+    reader.call(
+        "open",
+        key="m4",
+        extra=conf,
+        num_blocks=64,
+        enable_prefix_caching=False,
+    )
+    base_loads = [workload("hbase", base_seeds, per_prefix)]
+    baseline = run_all((reader,), "m4", base_loads, interval_s=interval_s)
+    owner.stop()
+    try:
+        hung_loads = [workload("hung", hung_seeds, per_prefix)]
+        hung = run_all(
+            (reader,), "m4", hung_loads, interval_s=interval_s, timeout_s=150
+        )
+    finally:
+        owner.resume()
+    again_loads = [workload("again", hung_seeds, 1)]
+    again = run_all((reader,), "m4", again_loads, interval_s=interval_s)
+    result = {
+        "requests": requests_in(hung) + requests_in(again),
+        "requests_finished": finished(hung) + finished(again),
+        "mismatches": mismatches(hung, hung_loads)
+        + mismatches(again, again_loads)
+        + mismatches(baseline, base_loads),
+        "stalled_run_s": round(hung[0]["seconds"], 2),
+        # A request with no first token by the end counts the whole run.
+        "ttft_ms_p99": round(
+            percentile(_ms(hung, hung[0]["seconds"] * 1e3), 99), 1
+        ),
+        "ttft_ms_p99_baseline": round(percentile(_ms(baseline), 99), 1),
+        "loads_failed": _sum(hung, "loads_failed"),
+    }
+    stats = reader.call("stats", key="m4")
+    detail = {
+        "baseline_loads_ok": _sum(baseline, "loads_ok"),
+        "hung_loads_ok": _sum(hung, "loads_ok"),
+        "hung_hit_tokens": _hits(hung[0]),
+        "again_hit_tokens": _hits(again[0]),
+        "again_loads_failed": _sum(again, "loads_failed"),
+        "again_finished": finished(again),
+        "peers": stats["peers"],
+        "loads_expired": stats["loads_expired"],
+        "failed_keys": stats["failed_keys"],
+        "illegal": stats["illegal"],
+        "open_jobs": stats["open_jobs"],
+        "trackers": stats["trackers"],
+    }
+    return result, detail
+
+
 def store_full(
     c: Cluster, nodes: Sequence[Node], *, per_node: int, shared: int
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -469,10 +556,17 @@ def _hits(result: dict[str, Any]) -> int:
     )
 
 
-def _ms(results: Sequence[dict[str, Any]]) -> list[float]:
-    return [
-        float(r["ttft_ms"]) for x in results for r in x["records"].values()
-    ]
+def _ms(
+    results: Sequence[dict[str, Any]], unfinished_ms: float | None = None
+) -> list[float]:
+    """TTFTs in ms; a request without a first token reads `unfinished_ms`
+    (None: its -1 placeholder)."""
+    out = []
+    for x in results:
+        for r in x["records"].values():
+            ms = float(r["ttft_ms"])
+            out.append(unfinished_ms if ms < 0 and unfinished_ms else ms)
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -493,8 +587,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         full, full_detail = store_full(
             c, (b, cc, a2), per_node=args.full_requests, shared=4
         )
+        hung, hung_detail = hung_peer(
+            c,
+            a2,
+            b,
+            prefixes=args.prefixes,
+            per_prefix=args.per_prefix,
+            interval_s=args.interval,
+        )
     report: dict[str, Any] = {
         "peer_death": peer_death,
+        "hung_peer": hung,
         "replica2": replica,
         "restart": restart,
         "store_full": full,
@@ -502,6 +605,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.detail:
         detail["replica2"] = replica_detail
         detail["store_full"] = full_detail
+        detail["hung_peer"] = hung_detail
         detail["seconds"] = round(time.monotonic() - started, 1)
         report["detail"] = detail
     return report
@@ -547,8 +651,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(json.dumps(report, indent=2))
     pd, full = report["peer_death"], report["store_full"]
+    hung = report["hung_peer"]
     ok = (
         pd["requests_finished"] == pd["requests"]
+        and hung["requests_finished"] == hung["requests"]
+        and hung["mismatches"] == 0
         and pd["mismatches"] == 0
         and pd["failed_loads_per_dead_prefix_max"] <= 1
         and full["requests_finished"] == full["requests"]

@@ -33,6 +33,8 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
@@ -123,9 +125,19 @@ class Node:
             os.kill(self.pid, signal.SIGKILL)
         self.process.join(10)
 
+    def stop(self) -> None:
+        """SIGSTOP the process (a hang: a GC pause, a stuck kernel)."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a stopped process."""
+        if self.process.is_alive():
+            os.kill(self.pid, signal.SIGCONT)
+
     def close(self, timeout_s: float = 15.0) -> None:
         """Ask the process to quit; SIGKILL it if it does not in time."""
         if self.process.is_alive():
+            self.resume()  # a stopped node cannot quit
             with contextlib.suppress(OSError, NodeError):
                 self.call("quit", timeout_s=timeout_s)
             self.process.join(timeout_s)
@@ -329,6 +341,8 @@ class _NodeState:
                 "size": memory.size,
             },
             "failed_blocks_of_failed_loads": dict(self.partial[key]),
+            "peers": _peer_stats(side),
+            "loads_expired": _loads_expired(self.harnesses[key]),
             "illegal": sum(side.machine.illegal_counts.values()),
             "open_jobs": side.open_jobs,
             "trackers": len(side.registry),
@@ -339,6 +353,18 @@ class _NodeState:
         for h in self.harnesses.values():
             with contextlib.suppress(Exception):
                 h.close()
+
+
+def _peer_stats(side: Any) -> dict[str, int]:
+    """The peer fence's counters (empty without one)."""
+    fence = getattr(side.failed_keys, "peers", None)
+    return {} if fence is None else dict(attrs.asdict(fence.stats()))
+
+
+def _loads_expired(harness: Any) -> int:
+    """Loads the worker's watchdog reported failed at their deadline."""
+    worker = harness.worker_connector.worker_side
+    return int(getattr(worker, "loads_expired", 0)) if worker else 0
 
 
 def _fold_store_stats(

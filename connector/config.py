@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -44,6 +45,7 @@ from connector.config_values import (
     coerce_level,
     coerce_path,
     coerce_seconds,
+    coerce_seconds_or_off,
     coerce_str,
     config_key,
     key_help,
@@ -65,6 +67,7 @@ __all__ = [
     "GiB",
     "IdentityConfig",
     "KiB",
+    "LoadConfig",
     "LookupConfig",
     "MiB",
     "StoreConfig",
@@ -107,7 +110,6 @@ UNSUPPORTED_KEYS: Final = frozenset(
         "tenant_id",
         "enable_client_http_server",
         "client_http_port",
-        "transfer_timeout",
     }
 )
 # vLLM's extra config names the namespace ``cache_prefix``.
@@ -548,12 +550,79 @@ class IdentityConfig:
         return _read_keys(cls, extra)
 
 
+DEFAULT_TRANSFER_TIMEOUT_S: Final = 2.0
+DEFAULT_PEER_PROBE_S: Final = 1.0
+
+
+@attrs.frozen
+class LoadConfig:
+    """Bounds of the loads, and of the peers they come from.
+
+    Read from ``kv_connector_extra_config``: one key per field.
+    """
+
+    transfer_timeout: float = attrs.field(
+        default=DEFAULT_TRANSFER_TIMEOUT_S,
+        validator=of_type(float),
+        metadata=key_help(
+            "Seconds a load may take, from when the worker takes it; past "
+            "it the load is reported failed, vLLM recomputes its blocks, "
+            "and a transfer still running can never write into the KV "
+            "cache (loads land in staging memory first).  ``0`` turns the "
+            "bound off (host KV caches then load zero-copy, unbounded).",
+            coerce_seconds_or_off,
+        ),
+    )
+    peer_probe_s: float = attrs.field(
+        default=DEFAULT_PEER_PROBE_S,
+        validator=of_type(float),
+        metadata=key_help(
+            "After a load from a peer's segment fails, no request waits on "
+            "that segment: its blocks are recomputed at once.  Every this "
+            "many seconds one request is let through to probe it; a load "
+            "that succeeds lifts the fence.",
+            coerce_seconds_or_off,
+        ),
+    )
+
+    @property
+    def timeout_s(self) -> float | None:
+        """The load deadline in seconds, or None when off."""
+        return self.transfer_timeout or None
+
+    def transport_env(self) -> dict[str, str]:
+        """Mooncake TCP transport bounds to match the deadline.
+
+        A transfer with no progress (or no status frame) for this many
+        whole seconds is dropped by the transport itself, so a get or a
+        put stuck on a hung peer ends soon after the deadline instead of
+        after 30 s (the transport's defaults) or 60 s (the store's own
+        wait).  Empty when the deadline is off.
+        """
+        if self.timeout_s is None:
+            return {}
+        seconds = str(max(1, math.ceil(self.timeout_s)))
+        return {
+            "MC_TCP_PROGRESS_TIMEOUT_SEC": seconds,
+            "MC_TCP_STATUS_TIMEOUT_SEC": seconds,
+        }
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, object]) -> LoadConfig:
+        """Read the load keys (defaults when absent).
+
+        Raises:
+            ConfigError: naming the key of a bad value.
+        """
+        return _read_keys(cls, extra)
+
+
 # The connector's own keys of kv_connector_extra_config (not the store's),
 # and the vLLM connector's keys it accepts without implementing them.
 CONNECTOR_KEYS: Final = (
     frozenset(
         config_key(f)
-        for c in (TraceConfig, LookupConfig, IdentityConfig)
+        for c in (TraceConfig, LookupConfig, IdentityConfig, LoadConfig)
         for f in attrs.fields(c)
     )
     | {"mooncake_config_path"}

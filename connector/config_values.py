@@ -40,6 +40,7 @@ __all__ = [
     "coerce_level",
     "coerce_path",
     "coerce_seconds",
+    "coerce_seconds_or_off",
     "coerce_str",
     "config_key",
     "key_help",
@@ -128,6 +129,16 @@ def coerce_seconds(key: str, value: object) -> float:
     ):
         raise ConfigError(key, value, "expected a positive number of seconds")
     return float(value)
+
+
+def coerce_seconds_or_off(key: str, value: object) -> float:
+    """A finite number of seconds, at least 0 (ints accepted; 0: off)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(key, value, "expected a number of seconds")
+    seconds = float(value)
+    if not 0 <= seconds < float("inf"):
+        raise ConfigError(key, value, "expected a finite number >= 0")
+    return seconds
 
 
 def coerce_str(key: str, value: object) -> str:

@@ -106,3 +106,25 @@ def test_store_full_is_back_pressure(cluster):
         assert set(failures) <= {"STORE_FULL", "TRANSFER_FAILED"}
     for records in detail["log_records"]:
         assert records.get("ERROR", 0) == 0
+
+
+@full_tier
+def test_hung_peer_costs_one_deadline_not_a_stall(cluster):
+    """The only copy lives in a peer that hangs: every request finishes
+    with the right KV (checked every step) within about the deadline;
+    after SIGCONT the same prefixes are served right again.
+    """
+    owner, reader = cluster.spawn("H", "R")
+    result, detail = bench.hung_peer(
+        cluster, owner, reader, prefixes=2, per_prefix=4, interval_s=0.02
+    )
+    print(result, detail)
+    assert result["requests"] == result["requests_finished"] == 10
+    assert result["mismatches"] == 0
+    assert result["loads_failed"] >= 1  # the peer did hang
+    # The default deadline (2 s) plus steps and recompute, never the
+    # transport's 30-60 s.
+    assert result["ttft_ms_p99"] <= 2500
+    assert result["stalled_run_s"] <= 5
+    assert detail["peers"]["fences"] >= 1
+    assert detail["illegal"] == detail["open_jobs"] == detail["trackers"] == 0

@@ -14,6 +14,7 @@ from connector.config import (
     GiB,
     IdentityConfig,
     KiB,
+    LoadConfig,
     LookupConfig,
     MiB,
     StoreConfig,
@@ -387,6 +388,44 @@ def test_bad_lookup_bound_names_its_key(key: str, value: object) -> None:
     assert caught.value.key == key
 
 
+def test_load_bounds_default_and_parse() -> None:
+    """``transfer_timeout`` in seconds (vLLM's name); 0 turns it off."""
+    default = LoadConfig.from_extra_config({})
+    assert default == LoadConfig(2.0, 1.0)
+    assert default.timeout_s == 2.0
+    got = LoadConfig.from_extra_config(
+        {"transfer_timeout": 1, "peer_probe_s": 0.25}
+    )
+    assert got == LoadConfig(1.0, 0.25)
+    assert isinstance(got.transfer_timeout, float)
+    assert (
+        LoadConfig.from_extra_config({"transfer_timeout": 0}).timeout_s is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("transfer_timeout", -1),
+        ("transfer_timeout", "2"),
+        ("transfer_timeout", True),
+        ("transfer_timeout", float("inf")),
+        ("peer_probe_s", float("nan")),
+    ],
+)
+def test_bad_load_bound_names_its_key(key: str, value: object) -> None:
+    with pytest.raises(ConfigError) as caught:
+        LoadConfig.from_extra_config({key: value})
+    assert caught.value.key == key
+
+
+def test_transfer_timeout_is_not_warned_about(caplog) -> None:
+    """It is implemented now: neither unknown nor unsupported."""
+    with caplog.at_level(logging.WARNING, logger="connector.config"):
+        StoreConfig.from_extra_config({**BASE, "transfer_timeout": 1.5})
+    assert not caplog.records
+
+
 def test_lookup_keys_are_not_store_keys() -> None:
     config = StoreConfig.from_extra_config(
         {
@@ -415,7 +454,7 @@ def test_connector_keys_derive_from_the_fields():
     path and the vLLM keys it accepts without implementing them."""
     own = {
         config_key(f)
-        for cls in (TraceConfig, LookupConfig, IdentityConfig)
+        for cls in (TraceConfig, LookupConfig, IdentityConfig, LoadConfig)
         for f in attrs.fields(cls)
     }
     assert own == {
@@ -425,6 +464,8 @@ def test_connector_keys_derive_from_the_fields():
         "lookup_max_pending",
         "failed_load_ttl_s",
         "weights_version",
+        "transfer_timeout",
+        "peer_probe_s",
     }
     assert (
         own | {"mooncake_config_path"} | (VLLM_UNIMPLEMENTED_KEYS)
@@ -434,7 +475,8 @@ def test_connector_keys_derive_from_the_fields():
 
 
 @pytest.mark.parametrize(
-    "cls", [StoreConfig, TraceConfig, LookupConfig, IdentityConfig]
+    "cls",
+    [StoreConfig, TraceConfig, LookupConfig, IdentityConfig, LoadConfig],
 )
 def test_every_field_declares_help_text_and_a_coercion(cls):
     for field in attrs.fields(cls):

@@ -72,7 +72,8 @@ class TestModelIdentity:
         hashes = a.requests["s"].block_hashes[: LENGTH // 16]
         keys_a, keys_b = _scheme(a).keys(hashes), _scheme(b).keys(hashes)
         assert not set(keys_a) & set(keys_b)
-        store = a.worker_connector.worker_side._store
+        # The worker's store wraps the client (peer_probe_s: SickPeerStore).
+        store = a.worker_connector._client
         assert store.exists(keys_a).succeeded == [True] * len(keys_a)
         assert store.exists(keys_b).succeeded == [False] * len(keys_b)
         assert _ask(b, "b") == 0
@@ -177,7 +178,8 @@ class TestStartUp:
         assert "tensor-parallel rank" in str(info.value)
         # The scheduler half needs no rank: it keys every rank's blocks.
         scheduler = self._build(h, "SCHEDULER")
-        assert len(scheduler.scheduler_side._lookup.schemes) == 2
+        # The store lookup behind the peer fence (`FencedLookup.inner`).
+        assert len(scheduler.scheduler_side._lookup.inner.schemes) == 2
         scheduler.shutdown()
 
     @pytest.mark.parametrize(

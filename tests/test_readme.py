@@ -74,6 +74,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
 
     from connector.config import (  # noqa: PLC0415
         IdentityConfig,
+        LoadConfig,
         LookupConfig,
         StoreConfig,
         TraceConfig,
@@ -92,6 +93,9 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     expected["lookup_max_pending"] = lookups.max_pending
     expected["failed_load_ttl_s"] = lookups.failed_load_ttl_s
     expected["weights_version"] = IdentityConfig().weights_version
+    loads = LoadConfig()
+    expected["transfer_timeout"] = loads.transfer_timeout
+    expected["peer_probe_s"] = loads.peer_probe_s
     assert set(rows) == set(expected)
     for key, (default, meaning) in rows.items():
         assert meaning

@@ -18,29 +18,45 @@ from connector.worker.side import WorkerSide
 
 
 class Gate:
-    """The real store, with puts and/or gets held until `release()`."""
+    """The real store, with puts and/or gets held until `release()`.
 
-    def __init__(self, store, *, puts=True, gets=True):
+    `once` holds only the first held call; `ended` is set when a held
+    call has gone through to the store and returned.
+    """
+
+    def __init__(self, store, *, puts=True, gets=True, once=False):
         self.store = store
         self.held = {"put": puts, "get": gets}
+        self.once = once
         self.entered = threading.Event()
+        self.ended = threading.Event()
         self._open = threading.Event()
 
     def release(self):
         self._open.set()
 
     def _hold(self, op):
-        if self.held[op]:
-            self.entered.set()
-            self._open.wait(30)
+        if not self.held[op]:
+            return False
+        if self.once:
+            self.held[op] = False
+        self.entered.set()
+        self._open.wait(30)
+        return True
 
     def put(self, keys, regions):
-        self._hold("put")
-        return self.store.put(keys, regions)
+        held = self._hold("put")
+        result = self.store.put(keys, regions)
+        if held:
+            self.ended.set()
+        return result
 
     def get(self, keys, regions):
-        self._hold("get")
-        return self.store.get(keys, regions)
+        held = self._hold("get")
+        result = self.store.get(keys, regions)
+        if held:
+            self.ended.set()
+        return result
 
 
 class JobMaker:
@@ -106,6 +122,7 @@ def make_worker(
     *,
     store=None,
     staging_blocks=None,
+    load_timeout_s=None,
     spawn=None,
 ):
     """A worker over `kv` whose keys live in the test's own namespace."""
@@ -133,6 +150,7 @@ def make_worker(
         Regions,
         register=client.register,
         staging_blocks=staging_blocks,
+        load_timeout_s=load_timeout_s,
         **({} if spawn is None else {"spawn": spawn}),
     )
 

@@ -53,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from connector.config import (
     IdentityConfig,
+    LoadConfig,
     LookupConfig,
     StoreConfig,
     TraceConfig,
@@ -71,11 +72,13 @@ from connector.integration.stats import (
     StatsSource,
 )
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
-from connector.scheduler.failed_keys import FailedKeys
+from connector.scheduler.failed_keys import DEFAULT_TTL_S, FailedKeys
+from connector.scheduler.peers import FencedLookup, PeerFence
 from connector.scheduler.side import Role, SchedulerSide
 from connector.scheduler.store_lookup import StoreLookup
 from connector.store import Regions, StoreClient, clients
 from connector.worker.lanes import Lane
+from connector.worker.sick import SickPeerStore
 from connector.worker.side import WorkerSide
 from connector.worker.transfer import KVLayout, open_transfer
 from lifecycle.trace import TraceError, TraceWriter
@@ -173,6 +176,9 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         self._store_config = StoreConfig.from_vllm(extra)
         trace = TraceConfig.from_extra_config(extra)
         lookups = LookupConfig.from_extra_config(extra)
+        self._loads = LoadConfig.from_extra_config(extra)
+        for name, value in self._loads.transport_env().items():
+            os.environ.setdefault(name, value)  # an operator's value wins
         identity = IdentityConfig.from_extra_config(extra)
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
@@ -209,18 +215,30 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             if role == KVConnectorRole.SCHEDULER:
                 hybrid = self._groups.hybrid
+                ttl_s = lookups.failed_load_ttl_s
+                # A fence lifts once the master drops the peer (its blocks
+                # are then read elsewhere or missing); its ttl only bounds
+                # a peer that stays listed, so not below the default.
+                fence_ttl_s = max(ttl_s, DEFAULT_TTL_S)
+                fence = PeerFence(
+                    ttl_s=fence_ttl_s,
+                    probe_s=self._loads.peer_probe_s or fence_ttl_s,
+                )
+                store_lookup = StoreLookup(
+                    self._client, schemes.every_shard(), self._groups
+                )
                 self._scheduler = SchedulerSide(
                     block_size=self._groups.groups[0].block_size
                     if hybrid
                     else vllm_config.cache_config.block_size,
                     role=Role(transfer.kv_role),
-                    lookup=StoreLookup(
-                        self._client, schemes.every_shard(), self._groups
+                    lookup=FencedLookup(
+                        store_lookup, fence, store_lookup.read_from
                     ),
                     world_size=parallel.world_size,
                     lookup_timeout_s=lookups.timeout_ms / 1000,
                     max_pending=lookups.max_pending,
-                    failed_keys=FailedKeys(lookups.failed_load_ttl_s),
+                    failed_keys=FailedKeys(ttl_s, peers=fence),
                     groups=self._groups if hybrid else None,
                 )
             self._trace = _open_trace(trace, self._scheduler)
@@ -373,24 +391,28 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             msg = "register_kv_caches after shutdown"
             raise RuntimeError(msg)
         lanes = self._lanes(client, kv_caches)
+        probe_s = self._loads.peer_probe_s
+        store = SickPeerStore(client, hold_s=probe_s) if probe_s else client
         if lanes:  # hybrid: one lane per KV cache group
             first = {n: kv_caches[n] for n in self._group_layers(kv_caches, 0)}
             self._worker = WorkerSide(
-                client,
+                store,
                 self._keys[0],
                 KVLayout.from_tensors(first, self._num_blocks),
                 Regions,
                 transfer=lanes[0].transfer,
                 lanes=lanes,
+                load_timeout_s=self._loads.timeout_s,
             )
         else:
             self._worker = WorkerSide.for_kv_caches(
-                client,
+                store,
                 self._keys[0],
                 kv_caches,
                 self._num_blocks,
                 Regions,
                 register=client.register,
+                load_timeout_s=self._loads.timeout_s,
             )
         self._registered.extend(self._worker.registered)
         self._stats.watch(self._worker.machine)
@@ -419,6 +441,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 self._num_blocks,
                 Regions,
                 register=client.register,
+                deadlines=self._loads.timeout_s is not None,
             )
             keys = self._keys[group.index]
             lanes.append(Lane(keys, transfer, keys.layout.block_bytes))
@@ -578,6 +601,11 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             self._scheduler.close()
         if self._worker is not None:
+            # Load staging may have registered more buffers since.
+            more = self._worker.registered
+            self._registered.extend(
+                p for p in more if p not in self._registered
+            )
             self._worker.shutdown()
             self._worker = None
         if self._client is not None:

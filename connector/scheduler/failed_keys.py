@@ -50,6 +50,8 @@ from connector.config import DEFAULT_FAILED_LOAD_TTL_S
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable, Iterable, Sequence
 
+    from connector.scheduler.peers import PeerFence
+
 __all__ = ["DEFAULT_CAPACITY", "DEFAULT_TTL_S", "FailedKeys", "FailedStats"]
 
 DEFAULT_TTL_S: Final = DEFAULT_FAILED_LOAD_TTL_S
@@ -99,6 +101,8 @@ class FailedKeys:
         capacity: Most entries held (> 0); the oldest go first.
         max_wait_s: How long a load in flight defers other lookups.
         clock: Monotonic seconds (tests pass a fake).
+        peers: Told of every load's end too, to fence the peer of a
+            failed one (`connector.scheduler.peers`).
 
     Raises:
         ValueError: `ttl_s` or `capacity` not positive.
@@ -111,6 +115,7 @@ class FailedKeys:
         *,
         max_wait_s: float = DEFAULT_MAX_WAIT_S,
         clock: Callable[[], float] = time.monotonic,
+        peers: PeerFence | None = None,
     ) -> None:
         if not ttl_s > 0:
             msg = f"ttl_s must be positive, got {ttl_s!r}"
@@ -122,6 +127,7 @@ class FailedKeys:
         self.capacity = capacity
         self.max_wait_s = max_wait_s
         self._clock = clock
+        self.peers = peers
         # key -> (loads in flight, when the oldest began)
         self._loading: dict[Hashable, tuple[int, float]] = {}
         self._deferred = 0
@@ -175,12 +181,18 @@ class FailedKeys:
         self, keys: Iterable[Hashable], failed: Iterable[Hashable] = ()
     ) -> None:
         """A load of `keys` ended; remember those of them that `failed`."""
+        keys, failed = list(keys), list(failed)
         with self._lock:
             for key in keys:
                 count, since = self._loading.pop(key, (0, 0.0))
                 if count > 1:
                     self._loading[key] = (count - 1, since)
         self.record(failed)
+        if self.peers is not None:
+            if failed:
+                self.peers.failed(failed)  # type: ignore[arg-type]
+            else:
+                self.peers.loaded(keys)  # type: ignore[arg-type]
 
     def clip(self, keys: Sequence[Hashable], found: int) -> int | None:
         """The lookup's hit with remembered failures cut off.

@@ -211,8 +211,8 @@ class SchedulerSide:
         # tracker's state when it comes up.
         self._refresh_queue: dict[str, LookupTracker] = {}
         self.lookup_counts: collections.Counter[str] = collections.Counter()
-        self.failed_keys = failed_keys or FailedKeys()
-        self.recent = recent or RecentBlocks(clock=clock)
+        self.failed_keys = FailedKeys() if failed_keys is None else failed_keys
+        self.recent = RecentBlocks(clock=clock) if recent is None else recent
         # A hybrid model's hit is not downward-closed per block (a
         # sliding window may serve a longer prefix than a shorter one),
         # so its first miss says nothing of other prefixes.

@@ -17,6 +17,7 @@ import attrs
 
 from connector.groups import KVGroups
 from connector.scheduler.lookup import leading_hits
+from connector.scheduler.peers import read_from
 
 __all__ = ["KeyMaker", "StoreLookup", "hybrid_hits"]
 
@@ -44,6 +45,24 @@ class StoreLookup:
     def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
         """How many leading blocks of `block_hashes` every shard holds."""
         return self.hit_blocks_many([block_hashes])[0]
+
+    def read_from(self, hashes: Sequence[bytes]) -> list[tuple[str, ...]]:
+        """Per block hash, the segment each shard's get would read.
+
+        Mooncake's read-replica rule (`connector.scheduler.peers.read_from`)
+        over the client's ``replica_endpoints``; feeds the peer fence.
+        """
+        keys = [k for s in self.schemes for k in s.keys(hashes)]
+        found = self.client.replica_endpoints(keys)
+        local = self.client.hostname
+        n = len(hashes)
+        return [
+            tuple(
+                read_from(found[s * n + i], local)
+                for s in range(len(self.schemes))
+            )
+            for i in range(n)
+        ]
 
     def hit_blocks_many(
         self, prefixes: Sequence[Sequence[bytes]]

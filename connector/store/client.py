@@ -69,6 +69,7 @@ from connector.store.mooncake import (
     _local_address,
     _mooncake_store,
     _probe_master,
+    memory_endpoints,
 )
 from connector.store.regions import Regions, RegionsLike
 
@@ -364,6 +365,32 @@ class StoreClient:
         return self._lookup_call(
             Op.EXISTS, keys, _exists_outcomes, self._store.batch_is_exist
         )
+
+    def replica_endpoints(self, keys: Sequence[str]) -> list[tuple[str, ...]]:
+        """Per key, where its complete memory replicas live, in order.
+
+        Segments are ``ip:port``, in the master's order; () when none or
+        on any error.  One master call (``batch_get_replica_desc``),
+        metadata only.
+        """
+        keys = list(keys)
+        if not keys:
+            return []
+        self._enter("replicas")
+        try:
+            ask = getattr(self._store, "batch_get_replica_desc", None)
+            if ask is None or not self.breaker.allow():
+                return [()] * len(keys)
+            try:
+                found = ask(keys)
+            except RuntimeError:
+                self.breaker.release()
+                log.warning("batch_get_replica_desc failed", exc_info=True)
+                return [()] * len(keys)
+            self.breaker.record(outage=False)
+            return [memory_endpoints(found.get(k, ())) for k in keys]
+        finally:
+            self._exit()
 
     def put(
         self,

@@ -9,11 +9,14 @@ model with one group has one lane.  No vLLM import.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from connector.metadata import JobKind, TransferJob
+
+if TYPE_CHECKING:
+    from connector.worker.deadline import Deadline
 
 __all__ = ["Lane", "move_blocks"]
 
@@ -34,9 +37,16 @@ class Lane:
 
 
 def move_blocks(
-    lanes: Sequence[Lane], store: Any, job: TransferJob, fences: Sequence[Any]
+    lanes: Sequence[Lane],
+    store: Any,
+    job: TransferJob,
+    fences: Sequence[Any],
+    deadline: Deadline | None = None,
 ) -> list[bool]:
-    """Run `job` group by group; one success flag per (group, block)."""
+    """Run `job` group by group; one success flag per (group, block).
+
+    A load's blocks not in by `deadline` fail.
+    """
     flags = [False] * len(job.block_ids)
     positions: dict[int, list[int]] = {}
     for pos, group in enumerate(job.groups()):
@@ -46,7 +56,7 @@ def move_blocks(
         keys = lane.keys.keys([job.block_hashes[p] for p in where])
         ids = [job.block_ids[p] for p in where]
         if job.kind is JobKind.LOAD:
-            got = lane.transfer.load(store, keys, ids)
+            got = lane.transfer.load(store, keys, ids, deadline)
         else:
             got = lane.transfer.save(store, keys, ids, fences[group])
         for pos, ok in zip(where, got, strict=True):

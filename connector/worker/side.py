@@ -68,6 +68,7 @@ from connector.metadata import (
     TransferJob,
     WorkerReport,
 )
+from connector.worker.deadline import Deadline
 from connector.worker.lanes import Lane, move_blocks
 from connector.worker.transfer import (
     BatchOutcome,
@@ -105,6 +106,10 @@ _DONE: Final = {
     JobKind.LOAD: (Event.LOAD_DONE, Event.LOAD_FAILED),
     JobKind.SAVE: (Event.SAVE_DONE, Event.SAVE_FAILED),
 }
+
+
+_Queued = tuple[TransferJob, CopyWaits, tuple[Lane, ...], Deadline | None]
+"""A queued job: its save fence, its generation's lanes, its load deadline."""
 
 
 class KeyMaker(Protocol):
@@ -180,6 +185,10 @@ class WorkerSide:
             default: one group, `keys` over `transfer`).
         spawn: Starts the load and save loops (default: a daemon thread
             each).
+        load_timeout_s: Each load's deadline, from when the worker takes
+            it; its blocks not in by then fail (vLLM recomputes them) and
+            are never written later.  None: unbounded.  The transfer must
+            honour it (`open_transfer(deadlines=True)`, or staging).
     """
 
     def __init__(
@@ -193,8 +202,10 @@ class WorkerSide:
         machine: KVMachine | None = None,
         lanes: Sequence[Lane] = (),
         spawn: Spawn = daemon_thread,
+        load_timeout_s: float | None = None,
     ) -> None:
         self._store = store
+        self.load_timeout_s = load_timeout_s
         self._keys = keys
         self.layout = layout
         self.transfer: Transfer = transfer or Direct(layout, regions)
@@ -213,12 +224,9 @@ class WorkerSide:
         # Held whenever the registry or a tracker is read or changed.
         self._lock = threading.RLock()
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
-        self._queues: dict[
-            JobKind,
-            queue.SimpleQueue[
-                tuple[TransferJob, CopyWaits, tuple[Lane, ...]] | None
-            ],
-        ] = {k: queue.SimpleQueue() for k in JobKind}
+        self._queues: dict[JobKind, queue.SimpleQueue[_Queued | None]] = {
+            k: queue.SimpleQueue() for k in JobKind
+        }
         # The lanes of the latest weights generation a step named.
         self._generation: tuple[str | None, tuple[Lane, ...]] = (
             None,
@@ -229,6 +237,10 @@ class WorkerSide:
             for kind in JobKind
         ]
         self._load_errors: set[int] = set()
+        # Loads with a deadline not yet drained, by job id (forward thread).
+        self._deadlines: dict[int, tuple[TransferJob, Deadline]] = {}
+        #: Loads the watchdog reported failed at their deadline.
+        self.loads_expired = 0
         #: Requests whose reported load had a failed block (hybrid models
         #: report these, not block ids: `take_failed_loads`).
         self._failed_loads: set[str] = set()
@@ -254,12 +266,14 @@ class WorkerSide:
         staging_blocks: int | None = None,
         machine: KVMachine | None = None,
         spawn: Spawn = daemon_thread,
+        load_timeout_s: float | None = None,
     ) -> WorkerSide:
         """A worker over vLLM's KV tensors, their memory registered once.
 
         CUDA caches go through pinned staging (see
         `connector.worker.transfer`); host caches are zero copy unless
-        `staging_blocks` is given.
+        `staging_blocks` is given; with `load_timeout_s`, loads go
+        through staging so a late one never writes into the cache.
 
         Raises:
             ValueError: the KV tensors fit no known layout.
@@ -270,6 +284,7 @@ class WorkerSide:
             regions,
             register=register,
             staging_blocks=staging_blocks,
+            deadlines=load_timeout_s is not None,
         )
         layout = KVLayout.from_tensors(kv_caches, num_blocks)
         return cls(
@@ -280,6 +295,7 @@ class WorkerSide:
             transfer=transfer,
             machine=machine,
             spawn=spawn,
+            load_timeout_s=load_timeout_s,
         )
 
     @property
@@ -323,7 +339,7 @@ class WorkerSide:
                 continue
             lanes = self._lanes_for(meta)
             if job.pinned:
-                self._queues[JobKind.SAVE].put((job, fence, lanes))
+                self._queues[JobKind.SAVE].put((job, fence, lanes, None))
             else:
                 self._run(job, fence, lanes)
 
@@ -336,6 +352,8 @@ class WorkerSide:
         `get_block_ids_with_load_errors`); never when stale or orphaned.
         """
         recving: set[str] = set()
+        if self._deadlines:
+            self._expire_loads()
         while True:
             try:
                 done = self._done.get_nowait()
@@ -343,6 +361,7 @@ class WorkerSide:
                 break
             self.verdicts[done.verdict] += 1
             job = done.job
+            self._deadlines.pop(job.job_id, None)
             kept = done.verdict in {Verdict.APPLIED, Verdict.ORPHAN}
             good = done.ok and kept
             self._step_results.append(
@@ -362,6 +381,30 @@ class WorkerSide:
                 if done.failed_blocks:
                     self._failed_loads.add(job.req_id)
         return None, recving or None
+
+    def _expire_loads(self) -> None:
+        """The watchdog: a load past its deadline is reported failed now.
+
+        Whatever its transfer is doing (queued behind another, or in a
+        get that never returns): the deadline's claim keeps the loading
+        thread from writing or reporting it afterwards.
+        """
+        now = time.monotonic()
+        with self._lock:
+            for job_id, (job, deadline) in list(self._deadlines.items()):
+                if deadline.at > now or not deadline.expire():
+                    continue
+                del self._deadlines[job_id]
+                self.loads_expired += 1
+                self.jobs_failed[JobKind.LOAD] += 1
+                log.warning(
+                    "load job %d for %s passed its %.3g s deadline; its "
+                    "blocks are recomputed",
+                    job_id,
+                    job.req_id,
+                    self.load_timeout_s,
+                )
+                self._post(job, self._complete(job, ok=False))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes)."""
@@ -412,11 +455,15 @@ class WorkerSide:
                     except queue.Empty:
                         break
                     if item is not None:
-                        self._cancel(item[0])
+                        self._cancel(item[0], item[3])
                 source.put(None)
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(deadline - time.monotonic(), 0.0))
+        for lane in self.lanes:
+            staging = getattr(lane.transfer, "loads", None)
+            if staging is not None:
+                staging.close()
         stopped = not any(t.is_alive() for t in self._threads)
         if not stopped:
             log.warning(
@@ -432,6 +479,7 @@ class WorkerSide:
         if meta is None or self._closed or meta.step <= self._meta_step:
             return
         self._meta_step = meta.step
+        timeout = self.load_timeout_s
         with self._lock:
             for req_id, epoch in meta.preempted:
                 tracker = self.registry.get(req_id)
@@ -443,8 +491,12 @@ class WorkerSide:
                 if job.kind is JobKind.LOAD and self._accept(job):
                     if job.finished:  # its finish notice preceded the job
                         self.registry.fire(job.req_id, Event.FINISH)
+                    deadline = None
+                    if timeout is not None:
+                        deadline = Deadline.after(timeout)
+                        self._deadlines[job.job_id] = (job, deadline)
                     self._queues[JobKind.LOAD].put(
-                        (job, (), self._lanes_for(meta))
+                        (job, (), self._lanes_for(meta), deadline)
                     )
 
     def _lanes_for(self, meta: ConnectorMeta) -> tuple[Lane, ...]:
@@ -515,7 +567,9 @@ class WorkerSide:
                 return Verdict.APPLIED
             return _refusal(tracker, job)
 
-    def _cancel(self, job: TransferJob) -> None:
+    def _cancel(self, job: TransferJob, deadline: Deadline | None) -> None:
+        if deadline is not None and not deadline.claim():
+            return  # the watchdog reported it already
         self.jobs_cancelled += 1
         self._complete(job, ok=False)
         self._post(job, Verdict.CANCELLED)
@@ -564,12 +618,19 @@ class WorkerSide:
         job: TransferJob,
         fence: CopyWaits,
         lanes: tuple[Lane, ...] | None = None,
+        deadline: Deadline | None = None,
     ) -> None:
-        """Run one job and fire its completion; never raises."""
+        """Run one job and fire its completion; never raises.
+
+        A load the watchdog already reported (its `deadline` expired) is
+        neither run nor reported again.
+        """
+        if deadline is not None and deadline.expired:
+            return
         failed: frozenset[int] = frozenset()
         try:
             lanes = self.lanes if lanes is None else lanes
-            flags = move_blocks(lanes, self._store, job, fence)
+            flags = move_blocks(lanes, self._store, job, fence, deadline)
             self._count_moved(job, flags)
             failed = frozenset(
                 b for b, ok in zip(job.block_ids, flags, strict=True) if not ok
@@ -578,6 +639,8 @@ class WorkerSide:
             log.exception("%s job %d for %s failed", job.kind.value,
                           job.job_id, job.req_id)  # fmt: skip
             failed = frozenset(job.block_ids)
+        if deadline is not None and not deadline.claim():
+            return  # the watchdog reported it; nothing was written
         ok = not failed
         counter = self.jobs_done if ok else self.jobs_failed
         counter[job.kind] += 1

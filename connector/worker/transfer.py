@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 
+from connector.worker.deadline import Deadline, LoadStaging
+
 if TYPE_CHECKING:
     import torch
 
@@ -205,8 +207,9 @@ class Transfer(Protocol):
     thread; `layer_written` and `fence` run on the forward's thread.
     """
 
-    registered: tuple[int, ...]
-    """Addresses this transfer registered with the store (to unregister)."""
+    @property
+    def registered(self) -> tuple[int, ...]:
+        """Addresses registered with the store (to unregister)."""
 
     def layer_written(self, layer: str) -> None:
         """The forward wrote `layer`'s KV for this step (`save_kv_layer`)."""
@@ -224,9 +227,17 @@ class Transfer(Protocol):
         """Store each block under its key, after `fence`."""
 
     def load(
-        self, store: BlockStore, keys: Sequence[str], block_ids: Sequence[int]
+        self,
+        store: BlockStore,
+        keys: Sequence[str],
+        block_ids: Sequence[int],
+        deadline: Deadline | None = None,
     ) -> list[bool]:
-        """Fill each block from its key; done (visible) on return."""
+        """Fill each block from its key; done (visible) on return.
+
+        A block that did not arrive by `deadline` reads False, and
+        nothing of it is written later.
+        """
 
 
 class Direct:
@@ -236,6 +247,9 @@ class Direct:
         layout: Where the blocks live (registered with the store).
         regions: Builds a store batch (`connector.store.Regions`).
         registered: Addresses registered for the layout.
+        loads: Where loads land first when they have a deadline (a
+            transfer given up must not write into the KV cache later);
+            None: loads are zero copy too, and unbounded.
     """
 
     def __init__(
@@ -243,10 +257,19 @@ class Direct:
         layout: KVLayout,
         regions: Any,
         registered: tuple[int, ...] = (),
+        *,
+        loads: LoadStaging | None = None,
     ) -> None:
         self.layout = layout
         self._regions = regions
-        self.registered = registered
+        self._registered = registered
+        self.loads = loads
+
+    @property
+    def registered(self) -> tuple[int, ...]:
+        """Addresses registered for the layout and the load staging."""
+        staged = self.loads.registered if self.loads is not None else ()
+        return self._registered + staged
 
     def layer_written(self, layer: str) -> None:
         """Nothing: host compute is done when the hook runs."""
@@ -268,9 +291,15 @@ class Direct:
         return store.put(keys, regions).succeeded
 
     def load(
-        self, store: BlockStore, keys: Sequence[str], block_ids: Sequence[int]
+        self,
+        store: BlockStore,
+        keys: Sequence[str],
+        block_ids: Sequence[int],
+        deadline: Deadline | None = None,
     ) -> list[bool]:
-        """Get the blocks straight into the KV tensors."""
+        """Get the blocks into the KV tensors (through `loads` if set)."""
+        if self.loads is not None:
+            return self.loads.load(store, keys, block_ids, deadline)
         regions = self._regions.pieces(*self.layout.pieces(block_ids))
         return store.get(keys, regions).succeeded
 
@@ -427,26 +456,28 @@ class Staged:
         for p in pieces[:-1]:
             offsets.append(offsets[-1] + p.nbytes)
         self._offsets = tuple(offsets)
-        registered = []
-        self._lanes: list[_Lane] = []
-        for _ in range(2):
-            lane_ops = ops()
-            buffer = lane_ops.buffer(slots * self.block_bytes)
-            if register(buffer.data_ptr(), buffer.numel()):
-                registered.append(buffer.data_ptr())
-            seg = Segment(
-                buffer.data_ptr(), self.block_bytes, self.block_bytes
-            )
-            self._lanes.append(
-                _Lane(
-                    lane_ops,
-                    buffer.view(slots, self.block_bytes),
-                    KVLayout(slots, (seg,)),
-                )
-            )
-        self.registered = tuple(registered)
-        self._loads, self._saves = self._lanes
+        lane_ops = ops()
+        buffer = lane_ops.buffer(slots * self.block_bytes)
+        self._registered = (
+            (buffer.data_ptr(),)
+            if register(buffer.data_ptr(), buffer.numel())
+            else ()
+        )
+        seg = Segment(buffer.data_ptr(), self.block_bytes, self.block_bytes)
+        self._saves = _Lane(
+            lane_ops,
+            buffer.view(slots, self.block_bytes),
+            KVLayout(slots, (seg,)),
+        )
+        self.loads = LoadStaging(
+            pieces, regions, ops(), slots=slots, register=register
+        )
         self._marks: dict[str, Any] = {}
+
+    @property
+    def registered(self) -> tuple[int, ...]:
+        """Addresses of the save buffer and the load buffers."""
+        return self._registered + self.loads.registered
 
     @property
     def slots(self) -> int:
@@ -456,7 +487,7 @@ class Staged:
     @property
     def ops(self) -> tuple[DeviceOps, DeviceOps]:
         """The (load, save) lanes' device ops."""
-        return self._loads.ops, self._saves.ops
+        return self.loads.ops, self._saves.ops
 
     # -- ordering (forward thread) ------------------------------------------
 
@@ -498,20 +529,14 @@ class Staged:
         return flags
 
     def load(
-        self, store: BlockStore, keys: Sequence[str], block_ids: Sequence[int]
+        self,
+        store: BlockStore,
+        keys: Sequence[str],
+        block_ids: Sequence[int],
+        deadline: Deadline | None = None,
     ) -> list[bool]:
-        """Get into staging, then scatter the blocks that arrived."""
-        lane = self._loads
-        flags: list[bool] = []
-        for first in range(0, len(block_ids), lane.slots):
-            chunk = list(block_ids[first : first + lane.slots])
-            with lane.lock:
-                regions = self._slot_regions(lane, len(chunk))
-                chunk_keys = keys[first : first + len(chunk)]
-                got = store.get(chunk_keys, regions).succeeded
-                self._scatter(lane, chunk, got)
-            flags += got
-        return flags
+        """Get into staging, then scatter the blocks that arrived in time."""
+        return self.loads.load(store, keys, block_ids, deadline)
 
     def _slot_regions(self, lane: _Lane, count: int) -> Any:
         return self._regions.pieces(*lane.layout.pieces(range(count)))
@@ -547,34 +572,6 @@ class Staged:
                 rows.copy_(packed, non_blocking=True)
             ops.sync()
 
-    def _scatter(self, lane: _Lane, chunk: list[int], got: list[bool]) -> None:
-        """Copy the staged blocks that arrived into the KV cache; wait."""
-        import torch
-
-        slots = [i for i, ok in enumerate(got) if ok]
-        if not slots:
-            return
-        ops = lane.ops
-        k = len(slots)
-        with ops.side():
-            ids = torch.tensor(
-                [chunk[i] for i in slots], dtype=torch.int64, device=ops.device
-            )
-            rows = lane.buffer[: len(chunk)]
-            if k < len(chunk):
-                rows = rows[torch.tensor(slots, dtype=torch.int64)]
-            packed = rows.to(ops.device, non_blocking=True)
-            for piece, offset in zip(self._pieces, self._offsets, strict=True):
-                view = piece.view
-                part = (
-                    packed[:, offset : offset + piece.nbytes]
-                    .contiguous()
-                    .view(view.dtype)
-                    .reshape(k, *view.shape[1:])
-                )
-                view.index_copy_(0, ids, part)
-            ops.sync()
-
 
 def open_transfer(
     kv_caches: Mapping[str, torch.Tensor],
@@ -583,13 +580,17 @@ def open_transfer(
     *,
     register: Register,
     staging_blocks: int | None = None,
+    deadlines: bool = False,
 ) -> Transfer:
     """The transfer for these KV caches, with its memory registered.
 
     CUDA caches are staged through pinned host memory (the non-CUDA
     Mooncake wheel cannot register device memory); host caches are
     registered and moved zero-copy unless `staging_blocks` asks for
-    staging (tests use it to run the staging code on CPU).
+    staging (tests use it to run the staging code on CPU).  With
+    `deadlines`, host caches keep zero-copy saves but load through
+    staging (`connector.worker.deadline`): a load given up at its
+    deadline never writes into the KV cache.
 
     Raises:
         ValueError: the KV tensors fit no known layout.
@@ -617,6 +618,18 @@ def open_transfer(
         storage = tensor.untyped_storage()
         if register(storage.data_ptr(), storage.nbytes()):
             registered.append(storage.data_ptr())
+    loads = None
+    if deadlines and device is not None:
+        loads = LoadStaging(
+            pieces,
+            regions,
+            HostOps(device),
+            slots=DEFAULT_STAGING_BLOCKS,
+            register=register,
+        )
     return Direct(
-        KVLayout.of_pieces(pieces, num_blocks), regions, tuple(registered)
+        KVLayout.of_pieces(pieces, num_blocks),
+        regions,
+        tuple(registered),
+        loads=loads,
     )

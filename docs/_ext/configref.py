@@ -117,6 +117,7 @@ README_CLASSES: Final = (
     "connector.config:TraceConfig",
     "connector.config:LookupConfig",
     "connector.config:IdentityConfig",
+    "connector.config:LoadConfig",
 )
 
 

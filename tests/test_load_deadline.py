@@ -1,0 +1,309 @@
+"""Every load has a deadline, and a late transfer never writes the KV cache.
+
+`transfer_timeout` bounds each load from when the worker takes it: past
+it the load is reported failed (vLLM recomputes) by the loading thread,
+or by the worker's watchdog if the transfer itself never returns.  Loads
+with a deadline land in staging memory the KV cache does not own, so a
+get given up and finishing later (a hung peer resumed) writes nowhere
+that matters.  Over a real master and real tensors; the last test runs
+vLLM 0.33's real scheduler.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from connector.metadata import JobKind
+from connector.worker.deadline import Deadline, LoadStaging
+from connector.worker.side import Verdict, WorkerSide
+from connector.worker.transfer import KVLayout
+from tests.worker_helpers import (
+    Gate,
+    JobMaker,
+    make_worker,
+    settle,
+    step_job,
+)
+
+pytestmark = pytest.mark.mooncake
+
+NUM_BLOCKS = 16
+TOKENS = 4
+WIDTH = 32
+LOAD, SAVE = JobKind.LOAD, JobKind.SAVE
+TIMEOUT_S = 0.3
+
+
+def kv_caches(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"l{i}": torch.randn((NUM_BLOCKS, TOKENS, WIDTH), generator=gen)
+        for i in range(2)
+    }
+
+
+def blocks_of(kv, ids):
+    return [t[list(ids)].clone() for t in kv.values()]
+
+
+@pytest.fixture
+def job(unique):
+    return JobMaker(unique)
+
+
+@pytest.fixture
+def make(store_client, unique, workers):
+    def _make(kv, **kwargs):
+        return workers.add(
+            make_worker(store_client, unique, kv, NUM_BLOCKS, TOKENS, **kwargs)
+        )
+
+    return _make
+
+
+def test_hung_get_is_given_up_and_never_writes_the_kv_cache(
+    store_client, make, job
+):
+    """A get that outlives the deadline reads failed at the deadline; when
+    it ends later with the real bytes, the KV cache is untouched.
+    """
+    kv = kv_caches(seed=1)
+    w = make(kv, load_timeout_s=TIMEOUT_S)
+    keys = ["h0", "h1"]
+    step_job(w, 1, job(1, SAVE, "s", 0, [0, 1], keys))
+    settle(w, 1)
+    for t in kv.values():
+        t[8:12] = 0
+    gate = Gate(store_client, puts=False, once=True)
+    w._store = gate
+    started = time.monotonic()
+    step_job(w, 2, job(2, LOAD, "late", 0, [8, 9], keys))
+    recving, results, errors = settle(w, 1, timeout=5)
+    waited = time.monotonic() - started
+    assert recving == [{"late"}]
+    assert errors == {8, 9}
+    assert results[0].failed == 1
+    assert TIMEOUT_S <= waited < TIMEOUT_S + 0.5
+    gate.release()
+    assert gate.ended.wait(10)  # the late get wrote its bytes somewhere
+    time.sleep(0.05)
+    assert all(torch.count_nonzero(b) == 0 for b in blocks_of(kv, [8, 9]))
+    # The late get's buffer went back: the next load of the keys lands.
+    step_job(w, 3, job(3, LOAD, "next", 0, [10, 11], keys))
+    recving, results, errors = settle(w, 1, timeout=5)
+    assert (recving, errors) == ([{"next"}], set())
+    pairs = zip(blocks_of(kv, [0, 1]), blocks_of(kv, [10, 11]), strict=True)
+    for a, b in pairs:
+        assert torch.equal(a, b)
+
+
+class PlainKeys:
+    """Store keys are the hashes themselves (no store is reached)."""
+
+    def keys(self, block_hashes):
+        return [h.decode() for h in block_hashes]
+
+
+class NeverReturns:
+    """A transfer whose loads block until the test ends, ignoring deadlines.
+
+    It never writes anything, so the watchdog may report its loads.
+    """
+
+    def __init__(self, layout):
+        self.layout = layout
+        self.registered = ()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def layer_written(self, layer):
+        del layer
+
+    def fence(self):
+        return ()
+
+    def save(self, store, keys, block_ids, fence):
+        return [True] * len(block_ids)
+
+    def load(self, store, keys, block_ids, deadline=None):
+        self.entered.set()
+        self.release.wait(30)
+        return [True] * len(block_ids)
+
+
+def test_watchdog_reports_a_load_whose_transfer_never_returns(job):
+    """Whatever the transport: the load is reported failed, once, within
+    its deadline plus one poll; the transfer's late end is dropped.
+    """
+    kv = kv_caches()
+    layout = KVLayout.from_tensors(kv, NUM_BLOCKS)
+    never = NeverReturns(layout)
+    w = WorkerSide(
+        None,
+        PlainKeys(),
+        layout,
+        None,
+        transfer=never,
+        load_timeout_s=TIMEOUT_S,
+    )
+    try:
+        started = time.monotonic()
+        step_job(w, 1, job(1, LOAD, "r", 0, [3, 4, 5], ["a", "b", "c"]))
+        assert never.entered.wait(5)
+        recving, results, errors = settle(w, 1, timeout=5)
+        waited = time.monotonic() - started
+        assert recving == [{"r"}]
+        assert errors == {3, 4, 5}
+        assert [r.failed for r in results] == [1]
+        assert TIMEOUT_S <= waited < TIMEOUT_S + 0.2
+        assert w.loads_expired == 1
+        never.release.set()  # the transfer ends now, claiming success
+        time.sleep(0.1)
+        assert settle(w, 0, timeout=0.1) == ([], [], set())
+        assert w.verdicts == {Verdict.APPLIED: 1}
+        assert w.open_jobs == 0
+    finally:
+        never.release.set()
+        w.shutdown(timeout=5)
+
+
+def test_a_queued_load_past_its_deadline_is_failed_without_running(job):
+    """A load stuck behind a hung one is not run once its deadline passed."""
+    kv = kv_caches()
+    layout = KVLayout.from_tensors(kv, NUM_BLOCKS)
+    never = NeverReturns(layout)
+    w = WorkerSide(
+        None,
+        PlainKeys(),
+        layout,
+        None,
+        transfer=never,
+        load_timeout_s=TIMEOUT_S,
+    )
+    try:
+        step_job(w, 1, job(1, LOAD, "a", 0, [1], ["a"]))
+        step_job(w, 2, job(2, LOAD, "b", 0, [2], ["b"]))
+        recving, _, errors = settle(w, 2, timeout=5)
+        assert set().union(*recving) == {"a", "b"}
+        assert errors == {1, 2}
+        assert w.loads_expired == 2
+        never.release.set()
+        time.sleep(0.1)
+        assert settle(w, 0, timeout=0.1) == ([], [], set())
+    finally:
+        never.release.set()
+        w.shutdown(timeout=5)
+
+
+def test_deadline_is_claimed_by_exactly_one_side():
+    d = Deadline.after(60)
+    assert d.claim()
+    assert not d.expire()
+    assert not d.expired
+    e = Deadline.after(0)
+    assert e.expire()
+    assert e.expired
+    assert not e.claim()
+
+
+def test_every_staging_buffer_held_by_late_gets_sheds_loads(store_client):
+    """At most `max_buffers` late gets hold memory; then loads fail at once."""
+    from connector.store import Regions  # noqa: PLC0415
+    from connector.worker.transfer import HostOps, block_pieces  # noqa: PLC0415
+
+    kv = kv_caches()
+    registered = []
+
+    def register(ptr, nbytes):
+        registered.append(ptr)
+        return store_client.register(ptr, nbytes)
+
+    staging = LoadStaging(
+        block_pieces(kv, NUM_BLOCKS),
+        Regions,
+        HostOps(torch.device("cpu")),
+        slots=2,
+        register=register,
+        max_buffers=2,
+    )
+    gate = Gate(store_client, puts=False)
+    try:
+        for _ in range(2):
+            flags = staging.load(gate, ["x"], [0], Deadline.after(0.05))
+            assert flags == [False]
+        assert staging.late == 2
+        assert staging.held_late == 2
+        started = time.monotonic()
+        assert staging.load(gate, ["x"], [0], Deadline.after(5)) == [False]
+        assert time.monotonic() - started < 0.5  # shed, not waited
+        assert staging.shed == 1
+        gate.release()
+        deadline = time.monotonic() + 10
+        while staging.held_late and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert staging.held_late == 0
+        assert len(registered) == 2
+    finally:
+        gate.release()
+        staging.close()
+        for ptr in registered:
+            store_client.unregister(ptr)
+
+
+@pytest.mark.vllm
+def test_no_request_waits_for_remote_kv_past_its_deadline(extra, harnesses):
+    """vLLM 0.33's scheduler: every get hangs; the request leaves
+    WAITING_FOR_REMOTE_KVS within its deadline plus one step, recomputes,
+    and the harness's every-step KV check holds before and after the
+    hung get ends.
+    """
+    pytest.importorskip("vllm")
+    from harness import Harness  # noqa: PLC0415
+    from tests.connector_helpers import (  # noqa: PLC0415
+        CONNECTOR,
+        assert_clean,
+        prompt,
+        run,
+        store_prefix,
+    )
+
+    conf = {**extra, "transfer_timeout": TIMEOUT_S}
+
+    def make(**kwargs):
+        h = Harness(CONNECTOR, extra_config=conf, **kwargs)
+        harnesses.append(h)
+        return h
+
+    store_prefix(make, 7, 64)
+    b = make(num_blocks=40, enable_prefix_caching=False)
+    worker = b.worker_connector.worker_side
+    gate = Gate(worker._store, puts=False)
+    worker._store = gate
+    b.add_request("b", [*prompt(7, 64), 3], max_tokens=6)
+    waiting_since = None
+    late_steps = 0
+    try:
+        end = time.monotonic() + 20
+        while not b.is_idle() and time.monotonic() < end:
+            b.step()
+            now = time.monotonic()
+            status = b.requests["b"].status.name
+            if status == "WAITING_FOR_REMOTE_KVS":
+                waiting_since = waiting_since or now
+                if now > waiting_since + TIMEOUT_S:
+                    late_steps += 1
+            time.sleep(0.01)
+    finally:
+        gate.release()
+    assert gate.entered.is_set()  # the load did hang in the store
+    assert waiting_since is not None
+    assert late_steps <= 1
+    assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+    assert gate.ended.wait(10)
+    run(b)  # steps after the late get ended: the KV check still holds
+    assert worker.loads_expired + worker.jobs_failed[LOAD] >= 1
+    assert_clean(b)

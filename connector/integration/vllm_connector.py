@@ -20,9 +20,10 @@ This module is the role facade: every hook is a one-line delegation to
 which hold no vLLM import.  Importing it imports vLLM.
 
 The connector declares vLLM's `SupportsHMA`: it runs with the hybrid KV
-cache manager, over full-attention and sliding-window KV cache groups
-(`connector.groups`); a model with any other group kind (Mamba/SSM
-state, ...) is refused at start-up with `UnsupportedKVGroups`.
+cache manager, over full-attention, sliding-window and recurrent-state
+(Mamba, gated DeltaNet, ... in ``mamba_cache_mode="align"``) KV cache
+groups (`connector.groups`); a model with any other group kind is
+refused at start-up with `UnsupportedKVGroups`.
 """
 
 from __future__ import annotations
@@ -164,11 +165,20 @@ def _layout(kv_cache_config: Any, index: int = 0) -> KeyLayout:
     group = kv_cache_config.kv_cache_groups[index]
     spec = group.kv_cache_spec
     layers = len(group.layer_names)
+    # A recurrent state moves its state tensors, not the padded page.
+    page = getattr(spec, "state_content_size_bytes", spec.page_size_bytes)
+    dtypes = [
+        str(d).removeprefix("torch.")
+        for d in getattr(spec, "dtypes", None) or (spec.dtype,)
+    ]
+    detail = f"{layers}layers"
+    if len(set(dtypes)) > 1:  # e.g. a state's conv and SSM parts
+        detail += "-" + "-".join(dtypes)
     return KeyLayout(
-        dtype=str(spec.dtype).removeprefix("torch."),
+        dtype=dtypes[0],
         block_tokens=spec.block_size,
-        block_bytes=spec.page_size_bytes * layers,
-        detail=f"{layers}layers",
+        block_bytes=page * layers,
+        detail=detail,
     )
 
 
@@ -222,11 +232,13 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     own blocks), reports exactly one receive completion per load, even a
     failed one (whose blocks vLLM recomputes), and never reports one vLLM
     no longer expects.  It supports vLLM's hybrid KV cache manager
-    (`SupportsHMA`) for full-attention and sliding-window groups.
+    (`SupportsHMA`) for full-attention, sliding-window and align-mode
+    recurrent-state groups.
 
     Raises:
         UnsupportedKVGroups: the model has a KV cache group of another
-            kind (e.g. Mamba state), naming every group's kind.
+            kind (e.g. Mamba state without align mode), naming every
+            group's kind.
     """
 
     def __init__(

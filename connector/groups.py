@@ -90,7 +90,7 @@ class GroupKind(enum.Enum):
     FULL = "full_attention"
     SLIDING = "sliding_window"
     STATE = "mamba"
-    """Recurrent state (Mamba, gated DeltaNet, linear attention), align mode."""
+    """Recurrent state (Mamba, gated DeltaNet, ...), in align mode."""
 
 
 _KINDS: Final = {
@@ -402,13 +402,15 @@ def move_blocks(
 ) -> list[bool]:
     """Run `job` group by group; one success flag per (group, block).
 
-    A pair naming the null block never moves: it reads as failed (a load
-    into it would be a hit whose KV, or state, nobody restored).
+    A hybrid load's pair naming vLLM's null block never moves: it reads
+    as failed (a load into it would be a hit whose KV, or state, nobody
+    restored).
     """
     flags = [False] * len(job.block_ids)
     positions: dict[int, list[int]] = {}
+    hybrid_load = job.kind is JobKind.LOAD and bool(job.group_ids)
     for pos, group in enumerate(job.groups()):
-        if job.block_ids[pos] != NULL_BLOCK:
+        if not (hybrid_load and job.block_ids[pos] == NULL_BLOCK):
             positions.setdefault(group, []).append(pos)
     for group, where in positions.items():
         lane = lanes[group]

@@ -73,6 +73,7 @@ FULL, SLIDING = 0, 1  # the default layout's groups
 
 GroupKind = Literal["full", "sliding", "mamba"]
 KINDS: Final = ("full", "sliding", "mamba")
+_MIN_GROUPS: Final = 2  # a hybrid model
 
 
 def state_values(prefix_hash: int, layer: int, numel: int) -> torch.Tensor:
@@ -127,7 +128,7 @@ class HybridHarness(Harness):
         **kwargs: Any,
     ) -> None:
         unknown = [k for k in kinds if k not in KINDS]
-        if unknown or len(kinds) < 2:
+        if unknown or len(kinds) < _MIN_GROUPS:
             msg = f"kinds must be two or more of {KINDS}, not {kinds!r}"
             raise ValueError(msg)
         self.kinds: tuple[GroupKind, ...] = tuple(kinds)
@@ -202,7 +203,7 @@ class HybridHarness(Harness):
             ),
         }
         page = specs["full"].page_size_bytes
-        assert specs["mamba"].page_size_bytes == page  # noqa: S101
+        assert specs["mamba"].page_size_bytes == page
         return KVCacheConfig(
             num_blocks=self.num_blocks,
             kv_cache_tensors=[
@@ -246,9 +247,9 @@ class HybridHarness(Harness):
                 dtype=torch.float32,
             )
             for name in tensor.layers:
-                if self.kinds[self._group_of(self.layer_names.index(name))] != (
-                    "mamba"
-                ):
+                if self.kinds[
+                    self._group_of(self.layer_names.index(name))
+                ] != ("mamba"):
                     caches[name] = shared
                     continue
                 flat = shared.view(self.num_blocks, -1)

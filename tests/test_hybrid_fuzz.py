@@ -160,7 +160,7 @@ def _fuzz(extra, harnesses, kinds):
             msg = f"seed {seed}: {exc}\ntrackers: {held}"
             raise AssertionError(msg) from exc
         for h in made:
-            coverage["states saved"] += side(h).state_counts["saved"]
+            coverage["states saved"] += side(h).state_offers.counts["saved"]
             h.close()
     print(dict(coverage))
     if SEEDS >= 12:

@@ -91,7 +91,9 @@ def test_hybrid_mamba_hit_needs_every_group():
     """Full attention bounds the hit, the state cuts it to its last stored
     boundary, a window must be stored there too."""
     groups = _state_groups(GroupKind.FULL, GroupKind.STATE)
-    assert groups.hit_blocks([[True] * 6, [False, True, False, True, 0, 0]]) == 4
+    assert (
+        groups.hit_blocks([[True] * 6, [False, True, False, True, 0, 0]]) == 4
+    )
     assert groups.hit_blocks([[True, True, False, True], [True] * 4]) == 2
     three = _state_groups(GroupKind.FULL, GroupKind.SLIDING, GroupKind.STATE)
     full = [True] * 8

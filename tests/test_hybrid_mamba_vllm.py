@@ -107,14 +107,17 @@ def test_hybrid_mamba_producer_consumer_prefix_sharing(
     """B resumes from the state A saved at 128 tokens: one state block per
     request loaded, every attention block of the prefix; only the states
     vLLM handed off are saved, each under its own prefix."""
-    modes = {"async_scheduling": async_scheduling, "model_runner": model_runner}
+    modes = {
+        "async_scheduling": async_scheduling,
+        "model_runner": model_runner,
+    }
     a = produce(make, [1, 2], 128, **modes)
     g = state_group(a)
     saved = moved(a, "save")
     assert saved[0] == 2 * 8
     # every state vLLM handed off in a save's range, at least 112 and 128
     # per prompt (chunk ends depend on how the two prompts share steps)
-    counts = side(a).state_counts
+    counts = side(a).state_offers.counts
     assert saved[g] == counts["saved"] == counts["offered"] >= 2 * 2
     b = make(kv_role="kv_consumer", **modes)
     for s in (1, 2):
@@ -259,10 +262,14 @@ def test_hybrid_mamba_harness_catches_a_hit_without_its_state(make):
     w = worker(b)
     g = state_group(b)
     lanes = list(w.lanes)
-    lanes[g] = attrs.evolve(lanes[g], transfer=_SkipStateLoad(lanes[g].transfer))
+    lanes[g] = attrs.evolve(
+        lanes[g], transfer=_SkipStateLoad(lanes[g].transfer)
+    )
     w.lanes = tuple(lanes)
     b.add_request("b", [*prompt(9, 128), 1], max_tokens=3)
-    with pytest.raises(HarnessError, match="resumes at 128 tokens from a wrong state"):
+    with pytest.raises(
+        HarnessError, match="resumes at 128 tokens from a wrong state"
+    ):
         run(b)
 
 
@@ -288,7 +295,9 @@ def test_hybrid_mamba_harness_catches_a_state_of_another_boundary(
     monkeypatch.undo()
     b = make(kv_role="kv_consumer")
     b.add_request("b", [*prompt(10, 128), 1], max_tokens=3)
-    with pytest.raises(HarnessError, match="resumes at 128 tokens from a wrong"):
+    with pytest.raises(
+        HarnessError, match="resumes at 128 tokens from a wrong"
+    ):
         run(b)
 
 
@@ -296,33 +305,45 @@ def test_hybrid_mamba_offer_outside_the_save_is_dropped(make):
     """States vLLM hands off during decode (past the saved prompt) or for
     a loaded prefix (already stored) are never saved."""
     a = produce(make, [11], 96)
-    assert side(a).state_counts["dropped"] == 0
+    assert side(a).state_offers.counts["dropped"] == 0
     b = make()  # kv_both: saves and loads
     b.add_request("b", [*prompt(11, 96), *range(40)], max_tokens=40)
     run(b)
     assert b.external_hits["b"] == 96
-    counts = side(b).state_counts
+    counts = side(b).state_offers.counts
     # the loaded state at 96 (cached after the load) and decode states
     assert counts["dropped"] >= 2
     assert counts["saved"] >= 1  # the new prompt tokens' checkpoints
     assert_clean(b)
 
 
-def test_hybrid_mamba_state_offer_fields(make):
-    """vLLM's hand-offs read as (group, exact block, boundary) offers."""
+def test_hybrid_mamba_states_ride_their_steps_save(make):
+    """vLLM's hand-offs read as (group, exact block, boundary) offers,
+    each saved by the request's save of the step that computed it."""
     a = make(kv_role="kv_producer")
-    s = side(a)
+    offers = side(a).state_offers
     seen = []
-    real = s._take_offers
+    real = offers.for_job
 
-    def spy(so):
-        real(so)
-        seen.extend(o for offers in s._offers.values() for o in offers)
+    def spy(kind, tracker, first, last):
+        states = real(kind, tracker, first, last)
+        if states:
+            seen.append((first, last, states))
+        return states
 
-    s._take_offers = spy
+    offers.for_job = spy
     a.add_request("a", prompt(12, 128), max_tokens=2)
     run(a)
-    assert all(isinstance(o, StateOffer) for o in seen)
-    assert sorted(o.boundary for o in seen) == list(CHECKPOINTS_128)
-    assert {o.group for o in seen} == {state_group(a)}
+    g = state_group(a)
+    # each chunk's save carries the state at its end, in its group
+    assert [
+        (f, last, [(o.group, o.boundary) for o in states])
+        for f, last, states in seen
+    ] == [
+        (0, 4, [(g, 64)]),
+        (4, 7, [(g, 112)]),
+        (7, 8, [(g, 128)]),
+    ]
+    assert all(isinstance(o, StateOffer) for _, _, s in seen for o in s)
+    assert offers.counts == {"offered": 3, "saved": 3, "dropped": 0}
     assert_clean(a)

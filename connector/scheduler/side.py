@@ -11,11 +11,8 @@ send completion to owe: vLLM frees a finished request's blocks at once
 unless the connector asks it to wait.
 
 Hybrid models: a tracker holds one block table per KV cache group; a load
-or a save is one job over (group, block) pairs (`connector.groups`).  A
-recurrent-state group is saved only from the exact blocks vLLM hands off
-in the step (``kv_connector_block_state.boundary_state_offloads``): a
-state rides the request's save of that step when its boundary falls in
-the save's range, and is dropped (counted in `state_counts`) otherwise.
+or a save is one job over (group, block) pairs (`connector.groups`), a
+save's recurrent states those vLLM handed off (`connector.scheduler.states`).
 
 Admission lookups never run on the scheduler thread
 (`connector.scheduler.lookup`):
@@ -41,7 +38,7 @@ from typing import Any, Final
 
 import attrs
 
-from connector.groups import NULL_BLOCK, GroupKind, KVGroups, StateOffer
+from connector.groups import KVGroups
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from connector.scheduler.failed_keys import FailedKeys
 from connector.scheduler.jobs import BlockPool, JobTable, failed_hashes
@@ -53,6 +50,7 @@ from connector.scheduler.lookup import (
     PendingLookup,
     batching,
 )
+from connector.scheduler.states import StateOffers
 from lifecycle import LifecycleMachine, Registry, define_tracker
 from lifecycle.kv import TABLE, Event, KVMachine, KVTracker, State
 
@@ -195,11 +193,7 @@ class SchedulerSide:
         self._step = 0
         self._loads_to_issue: list[RequestTracker] = []
         self.unexpected_reports = 0
-        # This step's recurrent states handed off by vLLM, by request.
-        self._offers: dict[str, list[StateOffer]] = {}
-        #: Recurrent states handed off ("offered"), saved, or dropped
-        #: (outside any save of their step: decode, already stored, ...).
-        self.state_counts: collections.Counter[str] = collections.Counter()
+        self.state_offers = StateOffers(self.groups, saves=role.saves)
 
     # -- wiring -------------------------------------------------------------
 
@@ -276,7 +270,7 @@ class SchedulerSide:
             if t.state in _LOAD_STATES and t.load_job < 0
         )
         self._loads_to_issue.clear()
-        self._take_offers(so)
+        self.state_offers.take(so)
         scheduled = so.num_scheduled_tokens
         for new in so.scheduled_new_reqs:
             found = self.registry.get(new.req_id)
@@ -290,9 +284,7 @@ class SchedulerSide:
             done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._maybe_save(tracker, done, jobs)
         self._cached_reqs(so.scheduled_cached_reqs, scheduled, jobs)
-        if self._offers:
-            self.state_counts["dropped"] += sum(map(len, self._offers.values()))
-            self._offers.clear()
+        self.state_offers.end_step()
         return ConnectorMeta(
             step=self._step,
             jobs=tuple(jobs),
@@ -615,30 +607,6 @@ class SchedulerSide:
             return 0
         return self.failed_keys.clip(pending.hashes, pending.found)
 
-    def _take_offers(self, so: Any) -> None:
-        """This step's recurrent states to save, by request (savers only).
-
-        vLLM offers each block only until the end of the step that made
-        the offer: a save of this step pins it, or it is dropped.
-        """
-        if not self.groups.has_state or not self.role.saves:
-            return
-        state = getattr(so, "kv_connector_block_state", None)
-        offloads = getattr(state, "boundary_state_offloads", None) or {}
-        groups = {
-            g.index for g in self.groups.groups if g.kind is GroupKind.STATE
-        }
-        for req_id, entries in offloads.items():
-            offers = [
-                StateOffer(group, block, boundary)
-                for group, block, boundary in entries
-                if group in groups and block != NULL_BLOCK
-            ]
-            self.state_counts["offered"] += len(entries)
-            self.state_counts["dropped"] += len(entries) - len(offers)
-            if offers:
-                self._offers[req_id] = offers
-
     def _mark_stored_prefix(self, tracker: RequestTracker) -> None:
         tracker.num_saved_tokens = max(
             tracker.num_saved_tokens, tracker.num_hit_tokens
@@ -663,17 +631,9 @@ class SchedulerSide:
         tracker.group_block_ids = [list(t) for t in tables[1:]]
 
     def _new_job(
-        self,
-        kind: JobKind,
-        tracker: RequestTracker,
-        first: int,
-        last: int,
-        states: list[StateOffer] | None = None,
+        self, kind: JobKind, tracker: RequestTracker, first: int, last: int
     ) -> TransferJob:
-        """A job over every group's blocks of ``[first, last)``.
-
-        `states`: for a save, the recurrent states handed off this step.
-        """
+        """A job over every group's blocks of ``[first, last)``."""
         job = self._open.issue_range(
             kind,
             tracker.req_id,
@@ -685,7 +645,7 @@ class SchedulerSide:
             last=last,
             pin=kind is JobKind.SAVE,
             finished=tracker.state is State.DRAINING,
-            states=states,
+            states=self.state_offers.for_job(kind, tracker, first, last),
         )
         tracker.pending_jobs.add(job.job_id)
         return job
@@ -718,15 +678,7 @@ class SchedulerSide:
             return
         if not self.registry.fire_on(tracker, Event.SAVE_ISSUED):
             return
-        offered = self._offers.pop(tracker.req_id, ())
-        states = [
-            o
-            for o in offered
-            if o.boundary % bs == 0 and first * bs < o.boundary <= last * bs
-        ]
-        self.state_counts["saved"] += len(states)
-        self.state_counts["dropped"] += len(offered) - len(states)
-        jobs.append(self._new_job(JobKind.SAVE, tracker, first, last, states))
+        jobs.append(self._new_job(JobKind.SAVE, tracker, first, last))
         tracker.num_saved_tokens = last * bs
 
     def _finish_job(self, settled: tuple[TransferJob, bool]) -> bool:

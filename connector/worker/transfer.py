@@ -171,9 +171,7 @@ def _tensors(name: str, value: Any) -> list[torch.Tensor]:
     return [value]
 
 
-def block_pieces(
-    kv_caches: Mapping[str, Any], num_blocks: int
-) -> list[Piece]:
+def block_pieces(kv_caches: Mapping[str, Any], num_blocks: int) -> list[Piece]:
     """Blocks-first views of vLLM's KV (and state) tensors, in layer order.
 
     A layer's value is one tensor (attention) or a list of state tensors

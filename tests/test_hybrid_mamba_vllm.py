@@ -92,9 +92,12 @@ def test_hybrid_mamba_groups_are_read_from_vllm(make, layout):
     assert type(manager).__name__ == "MambaManager"
     assert manager.mamba_cache_mode == "align"
     assert len(worker(h).lanes) == len(layout)
-    # the state lane moves the conv and SSM state of each layer
-    lane = worker(h).lanes[state_group(h)]
-    assert lane.block_bytes == h.layers_per_group * BS * h.kv_width * 4
+    # an attention block and a state are one page each (float32), per layer
+    page = BS * h.kv_width * 4
+    for lane in worker(h).lanes:
+        assert lane.block_bytes == h.layers_per_group * page
+    state = h.kv_cache_config.kv_cache_groups[state_group(h)].kv_cache_spec
+    assert state.state_content_size_bytes == page
 
 
 @pytest.mark.parametrize(

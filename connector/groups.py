@@ -66,16 +66,13 @@ from typing import Any, Final
 import attrs
 
 from connector.errors import UnsupportedKVGroups
-from connector.metadata import JobKind, TransferJob
 
 __all__ = [
     "NULL_BLOCK",
     "GroupKind",
     "KVGroup",
     "KVGroups",
-    "Lane",
     "StateOffer",
-    "move_blocks",
     "sliding_hit",
     "state_hit",
 ]
@@ -380,46 +377,3 @@ class KVGroups:
             and s.boundary % bs == 0
             and start * bs < s.boundary <= end * bs
         ]
-
-
-@attrs.frozen
-class Lane:
-    """How one KV cache group's blocks move on a worker.
-
-    Attributes:
-        keys: The group's store keys (its ``g<group>`` scheme).
-        transfer: Moves the group's layers of a block.
-        block_bytes: Bytes of one of the group's blocks (all its layers).
-    """
-
-    keys: Any
-    transfer: Any
-    block_bytes: int
-
-
-def move_blocks(
-    lanes: Sequence[Lane], store: Any, job: TransferJob, fences: Sequence[Any]
-) -> list[bool]:
-    """Run `job` group by group; one success flag per (group, block).
-
-    A hybrid load's pair naming vLLM's null block never moves: it reads
-    as failed (a load into it would be a hit whose KV, or state, nobody
-    restored).
-    """
-    flags = [False] * len(job.block_ids)
-    positions: dict[int, list[int]] = {}
-    hybrid_load = job.kind is JobKind.LOAD and bool(job.group_ids)
-    for pos, group in enumerate(job.groups()):
-        if not (hybrid_load and job.block_ids[pos] == NULL_BLOCK):
-            positions.setdefault(group, []).append(pos)
-    for group, where in positions.items():
-        lane = lanes[group]
-        keys = lane.keys.keys([job.block_hashes[p] for p in where])
-        ids = [job.block_ids[p] for p in where]
-        if job.kind is JobKind.LOAD:
-            got = lane.transfer.load(store, keys, ids)
-        else:
-            got = lane.transfer.save(store, keys, ids, fences[group])
-        for pos, ok in zip(where, got, strict=True):
-            flags[pos] = ok
-    return flags

@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from connector.groups import GroupKind, KVGroups, StateOffer
+from connector.scheduler import requests
 from harness.hybrid import HybridHarness
 from harness.scheduler import HarnessError
 from tests.connector_helpers import (
@@ -219,13 +220,12 @@ def test_hybrid_mamba_load_failure_becomes_recompute(make):
     assert_clean(b)
 
 
-def test_hybrid_mamba_missing_state_block_fails_the_load(make):
+def test_hybrid_mamba_missing_state_block_fails_the_load(make, monkeypatch):
     """A load whose state block is the null block never reports success:
     the worker fails the request's load and vLLM recomputes it."""
     produce(make, [8], 128)
     b = make(kv_role="kv_consumer")
-    s = side(b)
-    real = s._set_tables
+    real = requests.set_tables
     g = state_group(b)
 
     def null_state(tracker, tables):
@@ -234,7 +234,8 @@ def test_hybrid_mamba_missing_state_block_fails_the_load(make):
             tables[g][-1] = 0
         real(tracker, tables)
 
-    s._set_tables = null_state
+    # The load's tables come from the ``alloc_external`` row callback.
+    monkeypatch.setattr(requests, "set_tables", null_state)
     b.add_request("b", [*prompt(8, 128), 1], max_tokens=3)
     run(b)
     assert sum(worker(b).jobs_failed.values()) == 1

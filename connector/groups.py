@@ -21,6 +21,19 @@ Supported group kinds (anything else is refused at start-up with
   blocks in ``[hit - window_blocks, hit)``, which is what vLLM allocates
   there (it gives the skipped blocks before the window the null block).
 
+* **Recurrent state** (``MambaSpec`` in ``mamba_cache_mode="align"``:
+  Mamba 1/2, gated DeltaNet, linear attention, short convolutions): one
+  block per boundary holds the whole state after the prefix that ends
+  there, and a hit needs exactly that one block.  vLLM keeps a state only
+  at the block-aligned positions it checkpoints and hands the connector
+  each one, with its exact block id, in
+  ``SchedulerOutput.kv_connector_block_state.boundary_state_offloads``
+  (an align-mode state table is not append-only: interior states are
+  nulled and freed, so a state is never read positionally).  A save
+  stores each state handed off in its range under the key of the prefix
+  ending at that boundary (`StateOffer`); a load fills the one block the
+  request resumes from, ``hit - 1``, which is where vLLM allocates it.
+
 Successive saves of a request end where the previous one started, so
 their windows tile: the store holds a window at every boundary a save
 ended on (each step's chunk end and the prompt's last full block).
@@ -29,11 +42,13 @@ A lookup's hit (`KVGroups.hit_blocks`) is the longest prefix every group
 can serve, by vLLM 0.33's ``HybridKVCacheCoordinator`` rule: the full
 attention groups' common leading run is the bound (full attention is
 downward-closed), then every sliding-window group cuts it to the longest
-prefix whose window it holds, repeated until no group cuts it further.
+prefix whose window it holds and every recurrent group to the last
+boundary whose state it holds (``MambaManager.find_longest_cache_hit``),
+repeated until no group cuts it further.
 
-Not supported (refused): Mamba/SSM state groups (vLLM saves their state
-only at block-aligned checkpoints of its own choosing; serving any other
-position would restore wrong state), chunked-local, cross, sink or
+Not supported (refused): recurrent state without align mode (vLLM keeps
+only the running state, of no position a later request could resume
+from), or with speculative state blocks, chunked-local, cross, sink or
 circular-buffer attention, sliding windows with retained extra tokens,
 groups that opt out of prefix caching, and groups of different block
 sizes or whose block size is not the block-hash size (their block hashes
@@ -57,7 +72,9 @@ __all__ = [
     "GroupKind",
     "KVGroup",
     "KVGroups",
+    "StateOffer",
     "sliding_hit",
+    "state_hit",
 ]
 
 NULL_BLOCK: Final = 0
@@ -69,6 +86,8 @@ class GroupKind(enum.Enum):
 
     FULL = "full_attention"
     SLIDING = "sliding_window"
+    STATE = "mamba"
+    """Recurrent state (Mamba, gated DeltaNet, ...), in align mode."""
 
 
 _KINDS: Final = {
@@ -76,9 +95,9 @@ _KINDS: Final = {
     "MLAAttentionSpec": GroupKind.FULL,
     "SlidingWindowSpec": GroupKind.SLIDING,
     "SlidingWindowMLASpec": GroupKind.SLIDING,
+    "MambaSpec": GroupKind.STATE,
 }
 _NAMES: Final = {
-    "MambaSpec": "mamba",
     "ChunkedLocalAttentionSpec": "chunked_local_attention",
     "CrossAttentionSpec": "cross_attention",
     "EncoderOnlyAttentionSpec": "encoder_only_attention",
@@ -86,7 +105,9 @@ _NAMES: Final = {
     "CircularBufferSpec": "circular_buffer",
     "RSWASpec": "rswa",
 }
-SUPPORTED: Final = "full_attention, sliding_window"
+SUPPORTED: Final = (
+    "full_attention, sliding_window, mamba (mamba_cache_mode='align')"
+)
 """The group kinds the connector saves and loads."""
 
 
@@ -96,7 +117,7 @@ class KVGroup:
 
     Attributes:
         index: vLLM's group id (also the key's ``g<group>``).
-        kind: Full attention or sliding window.
+        kind: Full attention, sliding window or recurrent state.
         block_size: Tokens per block.
         window_blocks: Blocks a sliding-window hit needs at its boundary
             (0 for full attention).
@@ -110,9 +131,11 @@ class KVGroup:
     layers: tuple[str, ...] = ()
 
     def first_block(self, start: int, end: int) -> int:
-        """The first block of ``[start, end)`` this group moves."""
+        """The first block of ``[start, end)`` this group loads."""
         if self.kind is GroupKind.SLIDING:
             return max(start, end - self.window_blocks)
+        if self.kind is GroupKind.STATE:
+            return max(start, end - 1)
         return start
 
 
@@ -120,6 +143,29 @@ def _kind_name(spec: Any) -> str:
     name = type(spec).__name__
     kind = _KINDS.get(name)
     return kind.value if kind else _NAMES.get(name, name)
+
+
+def _refusal(index: int, kind: GroupKind | None, spec: Any) -> str | None:
+    """Why group `index` cannot be served, or None."""
+    if kind is None:
+        return f"group {index} is {_kind_name(spec)}"
+    if not getattr(spec, "prefix_cacheable", True):
+        return f"group {index} opts out of prefix caching"
+    if getattr(spec, "extra_retained_tokens", 0):
+        return f"group {index} retains extra tokens below its window"
+    if kind is GroupKind.STATE:
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        if mode != "align":
+            return (
+                f"group {index} is mamba with mamba_cache_mode={mode!r}, "
+                "not 'align' (no state of a reusable position is kept)"
+            )
+        if getattr(spec, "num_speculative_blocks", 0):
+            return (
+                f"group {index} is mamba with speculative state blocks "
+                "(speculative decoding)"
+            )
+    return None
 
 
 def sliding_hit(present: Sequence[bool], limit: int, need: int) -> int:
@@ -138,6 +184,33 @@ def sliding_hit(present: Sequence[bool], limit: int, need: int) -> int:
         else:
             run = 0
     return run
+
+
+def state_hit(present: Sequence[bool], limit: int) -> int:
+    """Longest hit <= `limit` blocks a recurrent-state group can serve.
+
+    vLLM 0.33's ``MambaManager.find_longest_cache_hit``: the last boundary
+    whose state is stored (a state needs no block before it), else 0.
+    """
+    for i in range(min(limit, len(present)) - 1, -1, -1):
+        if present[i]:
+            return i + 1
+    return 0
+
+
+@attrs.frozen
+class StateOffer:
+    """A recurrent state vLLM handed the connector to save.
+
+    Attributes:
+        group: The recurrent group.
+        block_id: The exact block holding the state (pinned by the save).
+        boundary: Prefix tokens the state follows; block-aligned.
+    """
+
+    group: int
+    block_id: int
+    boundary: int
 
 
 @attrs.frozen
@@ -170,13 +243,7 @@ class KVGroups:
             zip(kv_cache_config.kv_cache_groups, specs, strict=True)
         ):
             kind = _KINDS.get(type(spec).__name__)
-            why = None
-            if kind is None:
-                why = f"group {i} is {_kind_name(spec)}"
-            elif not getattr(spec, "prefix_cacheable", True):
-                why = f"group {i} opts out of prefix caching"
-            elif getattr(spec, "extra_retained_tokens", 0):
-                why = f"group {i} retains extra tokens below its window"
+            why = _refusal(i, kind, spec)
             if kind is None or why is not None:
                 raise UnsupportedKVGroups(kinds, SUPPORTED, why or "")
             window = 0
@@ -235,34 +302,78 @@ class KVGroups:
                 while run < limit and flags[run]:
                     run += 1
                 limit = run
-        sliding = [
-            (g.window_blocks, p)
+        others = [
+            (g, p)
             for g, p in zip(self.groups, present, strict=True)
-            if g.kind is GroupKind.SLIDING
+            if g.kind is not GroupKind.FULL
         ]
-        while sliding:
+        while others:
             before = limit
-            for need, flags in sliding:
-                limit = sliding_hit(flags, limit, need)
+            for group, flags in others:
+                if group.kind is GroupKind.SLIDING:
+                    limit = sliding_hit(flags, limit, group.window_blocks)
+                else:
+                    limit = state_hit(flags, limit)
             if limit == before:
                 break
         return limit
 
+    @property
+    def has_state(self) -> bool:
+        """Whether a group holds recurrent state (saved from offers)."""
+        return any(g.kind is GroupKind.STATE for g in self.groups)
+
     def pairs(
-        self, tables: Sequence[Sequence[int]], start: int, end: int
+        self,
+        tables: Sequence[Sequence[int]],
+        start: int,
+        end: int,
+        states: Sequence[StateOffer] | None = None,
     ) -> list[tuple[int, int, int]]:
         """(group, block id, block index) moved for blocks ``[start, end)``.
 
         Full-attention groups move every block; sliding-window groups
         only the window ending at `end`, never the null block (a
-        position vLLM skipped).
+        position vLLM skipped).  Recurrent groups: a load (`states` None)
+        moves the one block the request resumes from, ``end - 1``, even
+        the null block (which the worker never fills, so the load fails
+        rather than resume without its state); a save moves the `states`
+        handed off at boundaries in ``(start, end]``, each under the
+        index of the block ending there, never positionally.
         """
         out: list[tuple[int, int, int]] = []
         for group, table in zip(self.groups, tables, strict=False):
-            sliding = group.kind is GroupKind.SLIDING
+            kind = group.kind
+            if kind is GroupKind.STATE:
+                out.extend(self._state_pairs(group, table, start, end, states))
+                continue
             out.extend(
                 (group.index, table[i], i)
                 for i in range(group.first_block(start, end), end)
-                if i < len(table) and not (sliding and table[i] == NULL_BLOCK)
+                if i < len(table)
+                and not (kind is GroupKind.SLIDING and table[i] == NULL_BLOCK)
             )
         return out
+
+    @staticmethod
+    def _state_pairs(
+        group: KVGroup,
+        table: Sequence[int],
+        start: int,
+        end: int,
+        states: Sequence[StateOffer] | None,
+    ) -> list[tuple[int, int, int]]:
+        if end <= start:
+            return []
+        if states is None:
+            block = table[end - 1] if end - 1 < len(table) else NULL_BLOCK
+            return [(group.index, block, end - 1)]
+        bs = group.block_size
+        return [
+            (group.index, s.block_id, s.boundary // bs - 1)
+            for s in states
+            if s.group == group.index
+            and s.block_id != NULL_BLOCK
+            and s.boundary % bs == 0
+            and start * bs < s.boundary <= end * bs
+        ]

@@ -7,10 +7,15 @@ seed give byte-identical files; ``e2e_model.json`` records their SHA-256.
 
 Usage::
 
-    python -m e2e.make_model [OUT_DIR] [--size tiny|large] [--seed N]
+    python -m e2e.make_model [OUT_DIR] [--size tiny|large|lfm2-tiny] [--seed N]
 
 Without ``OUT_DIR`` the model goes to ``.cache/models/<size>-<seed>``,
 and an existing complete model there is reused.
+
+``lfm2-tiny`` is a hybrid: a random LFM2 (a short-convolution layer, whose
+state vLLM keeps as a recurrent ``MambaSpec`` group, then a full-attention
+layer), initialised by transformers from a seeded generator with a wide
+initializer range, so its greedy tokens depend on every state.
 """
 
 from __future__ import annotations
@@ -76,6 +81,55 @@ SIZES: dict[str, ModelSpec] = {
         max_position_embeddings=4096,
     ),
 }
+
+
+#: Hybrid models built through transformers: (model_type, config kwargs).
+HYBRIDS: dict[str, tuple[str, dict[str, object]]] = {
+    "lfm2-tiny": (
+        "lfm2",
+        {
+            "vocab_size": 512,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "layer_types": ["conv", "full_attention"],
+            "full_attn_idxs": [1],
+            "conv_L_cache": 3,
+            "conv_bias": False,
+            "conv_dim": 128,
+            "block_dim": 128,
+            "block_ff_dim": 256,
+            "block_multiple_of": 64,
+            "block_auto_adjust_ff_dim": False,
+            "block_norm_eps": 1e-5,
+            "norm_eps": 1e-5,
+            # 0.02 gives one repeated token: every state must matter.
+            "initializer_range": 0.3,
+            "tie_word_embeddings": False,
+            "bos_token_id": BOS_ID,
+            "eos_token_id": EOS_ID,
+        },
+    ),
+}
+
+
+def write_hybrid_model(out_dir: Path, size: str, seed: int = 0) -> Path:
+    """Write a hybrid model of `HYBRIDS` with transformers' own init."""
+    import transformers  # noqa: PLC0415 (slow import)
+
+    model_type, kwargs = HYBRIDS[size]
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    manifest = {"size": size, "seed": seed, "spec": {"hybrid": model_type}}
+    (out_dir / MANIFEST).write_text(
+        json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    )
+    return out_dir
 
 
 def _weight_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
@@ -160,6 +214,9 @@ def write_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
     Returns:
         ``out_dir``.
     """
+    if size in HYBRIDS:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return write_hybrid_model(out_dir, size, seed)
     spec = SIZES[size]
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(
@@ -190,18 +247,24 @@ def read_manifest(model_dir: Path) -> dict[str, object] | None:
         manifest = json.loads((model_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
-    if not all((model_dir / n).is_file() for n in (CONFIG, WEIGHTS)):
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not (model_dir / CONFIG).is_file() or not weights:
         return None
     return manifest if isinstance(manifest, dict) else None
 
 
 def _is_current(model_dir: Path, size: str, seed: int) -> bool:
     manifest = read_manifest(model_dir)
+    expected = (
+        {"hybrid": HYBRIDS[size][0]}
+        if size in HYBRIDS
+        else dataclasses.asdict(SIZES[size])
+    )
     return (
         manifest is not None
         and manifest.get("size") == size
         and manifest.get("seed") == seed
-        and manifest.get("spec") == dataclasses.asdict(SIZES[size])
+        and manifest.get("spec") == expected
     )
 
 
@@ -236,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(prog="python -m e2e.make_model")
     parser.add_argument("out_dir", nargs="?", type=Path)
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument(
+        "--size", choices=sorted([*SIZES, *HYBRIDS]), default="tiny"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.out_dir is None:

@@ -9,8 +9,14 @@ small pools that force preemptions, sync or async scheduling, the v1 or
 v2 runner, and on some seeds a lossy store (`tests.test_faults_vllm.Flaky`:
 a failed get scribbles over its blocks) under the second instance.
 
+`test_hybrid_fuzz_recurrent_workloads` plays the same workloads with a
+recurrent-state group (Mamba, align mode) beside full attention, and
+beside full attention and a sliding window.
+
 Every step, the harness checks every computed block of every group
-(content, window coverage, reference counts); at the end both instances
+(content, window coverage, recurrent states, reference counts), and the
+runner fails a step that resumes from a missing or wrong state; at the
+end both instances
 must drain cleanly (every request finished, every block free, no
 tracker, no open job, no illegal lifecycle event).  Over all seeds the
 run must have reached loads, aborts during a load and failed transfers
@@ -88,9 +94,10 @@ def _play(rng, harnesses, coverage):
         run(h)
 
 
-def _one_seed(make, seed, coverage):
+def _one_seed(make, seed, coverage, kinds=("full", "sliding")):
     rng = random.Random(seed)  # noqa: S311 - a workload, not crypto
     common = {
+        "kinds": kinds,
         "sliding_window": rng.choice((17, 40, 64)),
         "async_scheduling": rng.random() < 0.5,
         "model_runner": rng.choice(("v1", "v2")),
@@ -115,6 +122,22 @@ def _one_seed(make, seed, coverage):
 
 def test_hybrid_fuzz_workloads(extra, harnesses):
     """Random workloads on a hybrid config keep every group's KV exact."""
+    _fuzz(extra, harnesses, ("full", "sliding"))
+
+
+@pytest.mark.parametrize(
+    "kinds",
+    [("full", "mamba"), ("full", "sliding", "mamba")],
+    ids=["full+mamba", "full+swa+mamba"],
+)
+def test_hybrid_fuzz_recurrent_workloads(extra, harnesses, kinds):
+    """Random workloads with a recurrent group keep every state exact."""
+    coverage = _fuzz(extra, harnesses, kinds)
+    if SEEDS >= 12:
+        assert coverage["states saved"] > 0, dict(coverage)
+
+
+def _fuzz(extra, harnesses, kinds):
     coverage: collections.Counter[str] = collections.Counter()
     for seed in [int(ONLY)] if ONLY else range(SEEDS):
         made = []
@@ -127,7 +150,7 @@ def test_hybrid_fuzz_workloads(extra, harnesses):
             return h
 
         try:
-            _one_seed(make, seed, coverage)
+            _one_seed(make, seed, coverage, kinds)
         except AssertionError as exc:
             held = [
                 (t.req_id, t.state.name, sorted(t.pending_jobs))
@@ -137,6 +160,7 @@ def test_hybrid_fuzz_workloads(extra, harnesses):
             msg = f"seed {seed}: {exc}\ntrackers: {held}"
             raise AssertionError(msg) from exc
         for h in made:
+            coverage["states saved"] += side(h).state_offers.counts["saved"]
             h.close()
     print(dict(coverage))
     if SEEDS >= 12:
@@ -144,3 +168,4 @@ def test_hybrid_fuzz_workloads(extra, harnesses):
         # race the steps); `test_hybrid_preemption_and_resume` forces them.
         for needed in ("loaded tokens", "aborts during a load", "failed jobs"):
             assert coverage[needed] > 0, dict(coverage)
+    return coverage

@@ -13,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.errors import UnsupportedKVGroups
-from connector.groups import GroupKind, KVGroup, KVGroups, sliding_hit
+from connector.groups import (
+    GroupKind,
+    KVGroup,
+    KVGroups,
+    StateOffer,
+    sliding_hit,
+    state_hit,
+)
 
 BS = 16
 
@@ -63,6 +70,65 @@ def test_hybrid_pairs_move_the_window_only():
     assert groups.pairs([[1, 2], [0, 0]], 0, 2) == [(0, 1, 0), (0, 2, 1)]
 
 
+def test_hybrid_mamba_state_hit_examples():
+    """vLLM's MambaManager scan: the last stored state at or below the
+    limit; no state needs the blocks before it."""
+    assert state_hit([False, False, True, False], 4) == 3
+    assert state_hit([True, False, False, True], 3) == 1
+    assert state_hit([False] * 3, 3) == 0
+    assert state_hit([True] * 5, 2) == 2
+
+
+def _state_groups(*kinds):
+    made = []
+    for i, kind in enumerate(kinds):
+        window = 3 if kind is GroupKind.SLIDING else 0
+        made.append(KVGroup(i, kind, BS, window))
+    return KVGroups(tuple(made))
+
+
+def test_hybrid_mamba_hit_needs_every_group():
+    """Full attention bounds the hit, the state cuts it to its last stored
+    boundary, a window must be stored there too."""
+    groups = _state_groups(GroupKind.FULL, GroupKind.STATE)
+    assert (
+        groups.hit_blocks([[True] * 6, [False, True, False, True, 0, 0]]) == 4
+    )
+    assert groups.hit_blocks([[True, True, False, True], [True] * 4]) == 2
+    three = _state_groups(GroupKind.FULL, GroupKind.SLIDING, GroupKind.STATE)
+    full = [True] * 8
+    window = [True, True, True, True, False, True, True, True]
+    state = [False, False, False, True, False, True, False, False]
+    # state at 6 blocks, window there [3, 6) misses block 4: back to 4
+    assert three.hit_blocks([full, window, state]) == 4
+
+
+def test_hybrid_mamba_pairs_load_one_state_save_offers():
+    """A load moves the state block the request resumes from (even the
+    null block, which the worker fails); a save moves the offers in its
+    range, each under the block index ending at its boundary."""
+    groups = _state_groups(GroupKind.FULL, GroupKind.STATE)
+    tables = [[1, 2, 3, 4], [0, 0, 0, 9]]
+    assert groups.pairs(tables, 1, 4) == [
+        (0, 2, 1),
+        (0, 3, 2),
+        (0, 4, 3),
+        (1, 9, 3),
+    ]
+    assert groups.pairs([[1, 2], [0, 0]], 0, 2)[-1] == (1, 0, 1)
+    offers = [
+        StateOffer(1, 7, 2 * BS),  # ends block 1: in range
+        StateOffer(1, 8, 4 * BS),  # ends block 3: in range
+        StateOffer(1, 6, 1 * BS),  # at the save's start: saved before
+        StateOffer(1, 5, 5 * BS),  # past the save
+        StateOffer(1, 4, 2 * BS + 3),  # not block-aligned: no key
+        StateOffer(1, 0, 3 * BS),  # the null block
+    ]
+    saved = groups.pairs(tables, 1, 4, offers)
+    assert [p for p in saved if p[0] == 1] == [(1, 7, 1), (1, 8, 3)]
+    assert groups.pairs(tables, 1, 4, []) == saved[:3]
+
+
 @pytest.fixture(scope="module")
 def coordinator(mooncake_master):
     pytest.importorskip("vllm")
@@ -107,6 +173,66 @@ def test_hybrid_hit_matches_vllm_coordinator(coordinator, full, window):
     assert hit == _groups(3).hit_blocks([full, window]) * BS
 
 
+@pytest.fixture(
+    scope="module",
+    params=[("full", "mamba"), ("full", "sliding", "mamba")],
+    ids=["full+mamba", "full+swa+mamba"],
+)
+def mamba_coordinator(mooncake_master, request):
+    pytest.importorskip("vllm")
+    from harness.hybrid import HybridHarness  # noqa: PLC0415
+    from tests.connector_helpers import CONNECTOR, store_extra  # noqa: PLC0415
+
+    h = HybridHarness(
+        CONNECTOR,
+        extra_config=store_extra(mooncake_master, "hybrid-mamba-coordinator"),
+        sliding_window=40,
+        num_blocks=32,
+        kinds=request.param,
+    )
+    groups = h.scheduler_connector.scheduler_side.groups
+    yield h.scheduler.kv_cache_manager.coordinator, groups
+    h.close()
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    full=st.lists(st.booleans(), min_size=0, max_size=12),
+    window=st.lists(st.booleans(), min_size=12, max_size=12),
+    state=st.lists(st.booleans(), min_size=12, max_size=12),
+)
+def test_hybrid_mamba_hit_matches_vllm_coordinator(
+    mamba_coordinator, full, window, state
+):
+    """`KVGroups.hit_blocks` == vLLM's HybridKVCacheCoordinator hit with a
+    recurrent group (MambaManager, align mode) beside full attention, and
+    beside full attention and a sliding window."""
+    coordinator, groups = mamba_coordinator
+    n = len(full)
+    by_kind = {
+        GroupKind.FULL: full,
+        GroupKind.SLIDING: window[:n],
+        GroupKind.STATE: state[:n],
+    }
+    present = {g.index: by_kind[g.kind] for g in groups.groups}
+    pool = coordinator.single_type_managers[0].block_pool
+    block = pool.blocks[1]
+    hashes = [bytes([i + 1]) * 4 for i in range(n)]
+
+    def get_cached_block(block_hash, group_ids):
+        i = hashes.index(block_hash)
+        if all(present[g][i] for g in group_ids):
+            return [block] * len(group_ids)
+        return None
+
+    pool.get_cached_block = get_cached_block
+    try:
+        _, hit, _ = coordinator.find_longest_cache_hit(hashes, n * BS)
+    finally:
+        del pool.get_cached_block
+    assert hit == groups.hit_blocks([present[g] for g in sorted(present)]) * BS
+
+
 def _config(*specs):
     from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
         KVCacheConfig,
@@ -147,22 +273,71 @@ def test_hybrid_group_kinds_read_from_vllm_specs():
     assert groups.hybrid
 
 
-def test_hybrid_refuses_mamba_naming_every_group():
-    """Attention + Mamba state (Jamba, Bamba, Qwen3-Next) is refused at
-    start-up, naming the model's group kinds and the supported ones."""
-    pytest.importorskip("vllm")
+def _mamba(**more):
     import torch  # noqa: PLC0415
     from vllm.v1.kv_cache_interface import MambaSpec  # noqa: PLC0415
 
-    mamba = MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,))
+    return MambaSpec(
+        block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,), **more
+    )
+
+
+SUPPORTED_TEXT = (
+    "supported group kinds: full_attention, sliding_window, "
+    "mamba (mamba_cache_mode='align')"
+)
+
+
+def test_hybrid_mamba_align_is_read_from_vllm_specs():
+    """A Mamba/SSM/linear-attention group in align mode is served."""
+    pytest.importorskip("vllm")
+    groups = KVGroups.from_kv_cache_config(
+        _config(
+            _attention(),
+            _attention("swa", sliding_window=40),
+            _mamba(mamba_cache_mode="align"),
+        )
+    )
+    assert groups.kinds == ("0:full_attention", "1:sliding_window", "2:mamba")
+    assert groups.has_state
+
+
+def test_hybrid_refuses_mamba_without_align_naming_every_group():
+    """Attention + Mamba state without align mode (no prefix caching: only
+    the running state is kept) is refused at start-up, naming the
+    model's group kinds and the supported ones."""
+    pytest.importorskip("vllm")
     with pytest.raises(UnsupportedKVGroups) as caught:
-        KVGroups.from_kv_cache_config(_config(_attention(), mamba))
+        KVGroups.from_kv_cache_config(_config(_attention(), _mamba()))
     err = caught.value
     assert err.groups == ("0:full_attention", "1:mamba")
     assert "0:full_attention, 1:mamba" in str(err)
-    assert "group 1 is mamba" in str(err)
-    assert "supported group kinds: full_attention, sliding_window" in str(err)
+    assert "group 1 is mamba with mamba_cache_mode='none'" in str(err)
+    assert SUPPORTED_TEXT in str(err)
     assert isinstance(err, ValueError)
+    with pytest.raises(UnsupportedKVGroups, match="speculative state blocks"):
+        KVGroups.from_kv_cache_config(
+            _config(
+                _attention(),
+                _mamba(mamba_cache_mode="align", num_speculative_blocks=2),
+            )
+        )
+
+
+def test_hybrid_refuses_cross_attention_naming_every_group():
+    """Encoder-decoder cross attention stays refused, every group named."""
+    pytest.importorskip("vllm")
+    import torch  # noqa: PLC0415
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec  # noqa: PLC0415
+
+    cross = CrossAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=4, dtype=torch.float32
+    )
+    with pytest.raises(UnsupportedKVGroups) as caught:
+        KVGroups.from_kv_cache_config(_config(_attention(), cross))
+    assert caught.value.groups == ("0:full_attention", "1:cross_attention")
+    assert "group 1 is cross_attention" in str(caught.value)
+    assert SUPPORTED_TEXT in str(caught.value)
 
 
 def test_hybrid_refuses_other_unservable_layouts():
@@ -211,6 +386,7 @@ def test_hybrid_connector_refuses_mamba_at_startup(
     h = HybridHarness(CONNECTOR, extra_config=extra)
     harnesses.append(h)
     mamba = MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,))
+    assert mamba.mamba_cache_mode == "none"  # no prefix caching
 
     taken = []
     acquire = clients.acquire

@@ -26,11 +26,20 @@ def key_layout(kv_cache_config: Any, index: int = 0) -> KeyLayout:
     group = kv_cache_config.kv_cache_groups[index]
     spec = group.kv_cache_spec
     layers = len(group.layer_names)
+    if type(spec).__name__ == "MambaSpec":
+        # A recurrent state moves its state tensors, not the padded page.
+        page, dtypes = spec.state_content_size_bytes, list(spec.dtypes)
+    else:
+        page, dtypes = spec.page_size_bytes, [spec.dtype]
+    dtypes = [str(d).removeprefix("torch.") for d in dtypes]
+    detail = f"{layers}layers"
+    if len(set(dtypes)) > 1:  # e.g. a state's conv and SSM parts
+        detail += "-" + "-".join(dtypes)
     return KeyLayout(
-        dtype=str(spec.dtype).removeprefix("torch."),
+        dtype=dtypes[0],
         block_tokens=spec.block_size,
-        block_bytes=spec.page_size_bytes * layers,
-        detail=f"{layers}layers",
+        block_bytes=page * layers,
+        detail=detail,
     )
 
 

@@ -23,9 +23,10 @@ delegation to `connector.scheduler.side.SchedulerSide` or
 it imports vLLM.
 
 The connector declares vLLM's `SupportsHMA`: it runs with the hybrid KV
-cache manager, over full-attention and sliding-window KV cache groups
-(`connector.groups`); a model with any other group kind (Mamba/SSM
-state, ...) is refused at start-up with `UnsupportedKVGroups`.
+cache manager, over full-attention, sliding-window and recurrent-state
+(Mamba, gated DeltaNet, ... in ``mamba_cache_mode="align"``) KV cache
+groups (`connector.groups`); a model with any other group kind is
+refused at start-up with `UnsupportedKVGroups`.
 
 Identity: a stored block's key names the model as configured (full name
 or path, and revision), the TP shard, the pipeline stage, the layout and
@@ -157,11 +158,13 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     own blocks), reports exactly one receive completion per load, even a
     failed one (whose blocks vLLM recomputes), and never reports one vLLM
     no longer expects.  It supports vLLM's hybrid KV cache manager
-    (`SupportsHMA`) for full-attention and sliding-window groups.
+    (`SupportsHMA`) for full-attention, sliding-window and align-mode
+    recurrent-state groups.
 
     Raises:
         UnsupportedKVGroups: the model has a KV cache group of another
-            kind (e.g. Mamba state), naming every group's kind.
+            kind (e.g. Mamba state without align mode), naming every
+            group's kind.
     """
 
     def __init__(

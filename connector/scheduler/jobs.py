@@ -23,7 +23,7 @@ import attrs
 from connector.metadata import JobKind, TransferJob
 
 if TYPE_CHECKING:
-    from connector.groups import KVGroups
+    from connector.groups import KVGroups, StateOffer
 
 log: Final = logging.getLogger(__name__)
 
@@ -138,15 +138,17 @@ class JobTable:
         last: int,
         pin: bool = False,
         finished: bool = False,
+        states: Sequence[StateOffer] | None = None,
     ) -> TransferJob:
         """`issue` over blocks ``[first, last)`` of each group's table.
 
         One full-attention group (the common case) is cut from slices
         without building pairs; `last` is then clipped to the blocks and
-        hashes there are, as `KVGroups.pairs` clips it.
+        hashes there are, as `KVGroups.pairs` clips it.  `states`: the
+        recurrent states a save stores (`KVGroups.pairs`).
         """
         if not groups.one_full_group:
-            pairs = groups.pairs(tables, first, last)
+            pairs = groups.pairs(tables, first, last, states)
             return self.issue(
                 kind, req_id, epoch, pairs, hashes, pin=pin, finished=finished
             )

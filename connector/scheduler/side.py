@@ -11,7 +11,8 @@ send completion to owe: vLLM frees a finished request's blocks at once
 unless the connector asks it to wait.
 
 Hybrid models: a tracker holds one block table per KV cache group; a load
-or a save is one job over (group, block) pairs (`connector.groups`).
+or a save is one job over (group, block) pairs (`connector.groups`), a
+save's recurrent states those vLLM handed off (`connector.scheduler.states`).
 
 Admission lookups never run on the scheduler thread
 (`connector.scheduler.lookup`):
@@ -74,6 +75,7 @@ from connector.scheduler.requests import (
     RequestTracker,
     set_tables,
 )
+from connector.scheduler.states import StateOffers
 from lifecycle import LifecycleMachine, Registry
 from lifecycle.kv import Event, KVMachine, State
 
@@ -221,6 +223,7 @@ class SchedulerSide:
         self._step = 0
         self._loads_to_issue: list[RequestTracker] = []
         self.unexpected_reports = 0
+        self.state_offers = StateOffers(self.groups, saves=role.saves)
         #: The weights generation of the jobs issued now (None: the
         #: configured one, before any `reset_generation`).
         self.generation: str | None = None
@@ -314,6 +317,7 @@ class SchedulerSide:
             if t.state in _LOAD_STATES and t.load_job < 0
         )
         self._loads_to_issue.clear()
+        self.state_offers.take(so)
         scheduled = so.num_scheduled_tokens
         for new in so.scheduled_new_reqs:
             found = self.registry.get(new.req_id)
@@ -327,6 +331,7 @@ class SchedulerSide:
             done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._maybe_save(tracker, done, jobs)
         self._cached_reqs(so.scheduled_cached_reqs, scheduled, jobs)
+        self.state_offers.end_step()
         return ConnectorMeta(
             step=self._step,
             jobs=tuple(jobs),
@@ -815,6 +820,7 @@ class SchedulerSide:
             last=last,
             pin=kind is JobKind.SAVE,
             finished=tracker.state is State.DRAINING,
+            states=self.state_offers.for_job(kind, tracker, first, last),
         )
         tracker.pending_jobs.add(job.job_id)
         return job

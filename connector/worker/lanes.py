@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from connector.groups import NULL_BLOCK
 from connector.metadata import JobKind, TransferJob
 
 if TYPE_CHECKING:
@@ -45,12 +46,16 @@ def move_blocks(
 ) -> list[bool]:
     """Run `job` group by group; one success flag per (group, block).
 
-    A load's blocks not in by `deadline` fail.
+    A load's blocks not in by `deadline` fail.  A hybrid load's pair
+    naming vLLM's null block never moves: it reads as failed (a load
+    into it would be a hit whose KV, or state, nobody restored).
     """
     flags = [False] * len(job.block_ids)
     positions: dict[int, list[int]] = {}
+    hybrid_load = job.kind is JobKind.LOAD and bool(job.group_ids)
     for pos, group in enumerate(job.groups()):
-        positions.setdefault(group, []).append(pos)
+        if not (hybrid_load and job.block_ids[pos] == NULL_BLOCK):
+            positions.setdefault(group, []).append(pos)
     for group, where in positions.items():
         lane = lanes[group]
         keys = lane.keys.keys([job.block_hashes[p] for p in where])

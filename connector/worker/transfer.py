@@ -113,7 +113,7 @@ class KVLayout:
 
     @classmethod
     def from_tensors(
-        cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int
+        cls, kv_caches: Mapping[str, Any], num_blocks: int
     ) -> KVLayout:
         """Read the layout off vLLM's per-layer KV tensors.
 
@@ -158,10 +158,26 @@ class Piece:
     nbytes: int
 
 
-def block_pieces(
-    kv_caches: Mapping[str, torch.Tensor], num_blocks: int
-) -> list[Piece]:
-    """Blocks-first views of vLLM's KV tensors, in layer order.
+def _tensors(name: str, value: Any) -> list[torch.Tensor]:
+    """A layer's KV tensor, or its recurrent state tensors, as a list.
+
+    vLLM hands a recurrent-state layer (Mamba, gated DeltaNet, ...) its
+    state as a list of blocks-first tensors (e.g. conv and SSM state),
+    each a view over the group's shared block memory.
+    """
+    if isinstance(value, list | tuple):
+        if not value:
+            msg = f"layer {name!r} has no KV or state tensor"
+            raise ValueError(msg)
+        return list(value)
+    return [value]
+
+
+def block_pieces(kv_caches: Mapping[str, Any], num_blocks: int) -> list[Piece]:
+    """Blocks-first views of vLLM's KV (and state) tensors, in layer order.
+
+    A layer's value is one tensor (attention) or a list of state tensors
+    (a recurrent layer), each ``[num_blocks, ...]``.
 
     Raises:
         ValueError: naming the layer whose shape is neither
@@ -169,34 +185,37 @@ def block_pieces(
             blocks are not contiguous.
     """
     pieces: list[Piece] = []
-    for name, tensor in kv_caches.items():
-        shape = tuple(tensor.shape)
-        if shape and shape[0] == num_blocks:
-            halves = [tensor]
-        elif (
-            len(shape) > 1
-            and shape[0] == _KV_HALVES
-            and shape[1] == num_blocks
-        ):
-            halves = [tensor[0], tensor[1]]
-        else:
-            msg = (
-                f"KV cache for layer {name!r} has shape {shape}; "
-                f"expected [{num_blocks}, ...] or [2, {num_blocks}, ...]"
-            )
-            raise ValueError(msg)
-        for half in halves:
-            block = half[0]
-            if not block.is_contiguous():
-                msg = f"KV blocks of layer {name!r} are not contiguous"
-                raise ValueError(msg)
-            pieces.append(
-                Piece(name, half, block.numel() * block.element_size())
-            )
+    for name, value in kv_caches.items():
+        for tensor in _tensors(name, value):
+            pieces.extend(_layer_pieces(name, tensor, num_blocks))
     devices = {p.view.device for p in pieces}
     if len(devices) > 1:
         msg = f"KV caches span several devices: {sorted(map(str, devices))}"
         raise ValueError(msg)
+    return pieces
+
+
+def _layer_pieces(
+    name: str, tensor: torch.Tensor, num_blocks: int
+) -> list[Piece]:
+    shape = tuple(tensor.shape)
+    if shape and shape[0] == num_blocks:
+        halves = [tensor]
+    elif len(shape) > 1 and shape[0] == _KV_HALVES and shape[1] == num_blocks:
+        halves = [tensor[0], tensor[1]]
+    else:
+        msg = (
+            f"KV cache for layer {name!r} has shape {shape}; "
+            f"expected [{num_blocks}, ...] or [2, {num_blocks}, ...]"
+        )
+        raise ValueError(msg)
+    pieces = []
+    for half in halves:
+        block = half[0]
+        if not block.is_contiguous():
+            msg = f"KV blocks of layer {name!r} are not contiguous"
+            raise ValueError(msg)
+        pieces.append(Piece(name, half, block.numel() * block.element_size()))
     return pieces
 
 
@@ -574,7 +593,7 @@ class Staged:
 
 
 def open_transfer(
-    kv_caches: Mapping[str, torch.Tensor],
+    kv_caches: Mapping[str, Any],
     num_blocks: int,
     regions: Any,
     *,
@@ -614,10 +633,11 @@ def open_transfer(
             register=register,
         )
     registered = []
-    for tensor in kv_caches.values():
-        storage = tensor.untyped_storage()
-        if register(storage.data_ptr(), storage.nbytes()):
-            registered.append(storage.data_ptr())
+    for name, value in kv_caches.items():
+        for tensor in _tensors(name, value):
+            storage = tensor.untyped_storage()
+            if register(storage.data_ptr(), storage.nbytes()):
+                registered.append(storage.data_ptr())
     loads = None
     if deadlines and device is not None:
         loads = LoadStaging(

@@ -7,15 +7,17 @@ seed give byte-identical files; ``e2e_model.json`` records their SHA-256.
 
 Usage::
 
-    python -m e2e.make_model [OUT_DIR] [--size tiny|large|lfm2-tiny] [--seed N]
+    python -m e2e.make_model [OUT_DIR] [--size SIZE] [--seed N]
 
 Without ``OUT_DIR`` the model goes to ``.cache/models/<size>-<seed>``,
 and an existing complete model there is reused.
 
-``lfm2-tiny`` is a hybrid: a random LFM2 (a short-convolution layer, whose
-state vLLM keeps as a recurrent ``MambaSpec`` group, then a full-attention
-layer), initialised by transformers from a seeded generator with a wide
-initializer range, so its greedy tokens depend on every state.
+``lfm2-tiny`` and ``qwen3-next-tiny`` are hybrids, initialised by
+transformers from a seeded generator: a random LFM2 (a short-convolution
+layer, whose state vLLM keeps as a recurrent ``MambaSpec`` group, then a
+full-attention layer; a wide initializer range, so its greedy tokens
+depend on every state) and a random Qwen3-Next (a gated-DeltaNet layer,
+then a full-attention layer).
 """
 
 from __future__ import annotations
@@ -108,6 +110,36 @@ HYBRIDS: dict[str, tuple[str, dict[str, object]]] = {
             "norm_eps": 1e-5,
             # 0.02 gives one repeated token: every state must matter.
             "initializer_range": 0.3,
+            "tie_word_embeddings": False,
+            "bos_token_id": BOS_ID,
+            "eos_token_id": EOS_ID,
+        },
+    ),
+    # Gated DeltaNet (vLLM's CPU GDN kernel takes head dims of 64) beside
+    # full attention, with a two-expert MoE (Qwen3-Next has no dense MLP).
+    "qwen3-next-tiny": (
+        "qwen3_next",
+        {
+            "vocab_size": 512,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "max_position_embeddings": 4096,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 2,
+            "num_experts_per_tok": 1,
+            "decoder_sparse_step": 1,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "mlp_only_layers": [],
             "tie_word_embeddings": False,
             "bos_token_id": BOS_ID,
             "eos_token_id": EOS_ID,

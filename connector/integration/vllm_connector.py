@@ -42,12 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from connector.config import (
-    LookupConfig,
-    ParallelKVConfig,
-    StoreConfig,
-    TraceConfig,
-)
+from connector.config import LookupConfig, StoreConfig, TraceConfig
 from connector.errors import ConfigError
 from connector.groups import KVGroups, Lane
 from connector.integration.stats import (
@@ -56,20 +51,15 @@ from connector.integration.stats import (
     StatsSource,
 )
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
-from connector.parallel import TPPlan
+from connector.parallel import ParallelKVConfig, ShardKeys, TPPlan
 from connector.scheduler.failed_keys import DEFAULT_TTL_S, FailedKeys
 from connector.scheduler.lookup import leading_hits
 from connector.scheduler.side import Role, SchedulerSide
 from connector.store import Regions, StoreClient, clients
 from connector.store.keys import KeyLayout, KeyScheme
+from connector.worker.shards import sharded_transfer
 from connector.worker.side import WorkerSide
-from connector.worker.transfer import (
-    HeadSlice,
-    KVLayout,
-    Sharded,
-    Transfer,
-    open_transfer,
-)
+from connector.worker.transfer import KVLayout, Transfer, open_transfer
 from lifecycle.trace import TraceError, TraceWriter
 
 if TYPE_CHECKING:
@@ -149,16 +139,6 @@ class _StoreLookup:
         keys = [k for s in self.schemes for k in s.keys(unique)]
         codes = self.client.exists(keys).codes
         return leading_hits(prefixes, unique, codes, len(self.schemes))
-
-
-@attrs.frozen
-class _ShardKeys:
-    """The keys of a rank's head shards, shard-major."""
-
-    schemes: tuple[KeyScheme, ...]
-
-    def keys(self, block_hashes: Sequence[bytes]) -> list[str]:
-        return [k for s in self.schemes for k in s.keys(block_hashes)]
 
 
 def _hybrid_hits(
@@ -512,13 +492,10 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             keys = self._keys[group.index]
             transfer: Transfer
             if plan.shared:
-                transfer = Sharded(
-                    [
-                        self._shard_transfer(client, caches, i)
-                        for i in range(plan.shards_per_rank)
-                    ]
+                transfer = sharded_transfer(
+                    caches, self._num_blocks, Regions, client.register, plan
                 )
-                keys_of: Any = _ShardKeys(self._rank_schemes[group.index])
+                keys_of: Any = ShardKeys(self._rank_schemes[group.index])
             else:
                 transfer = open_transfer(
                     caches,
@@ -536,28 +513,6 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             )
         return lanes
-
-    def _shard_transfer(
-        self,
-        client: StoreClient,
-        caches: dict[str, torch.Tensor],
-        index: int,
-    ) -> Transfer:
-        """The transfer of the rank's `index`-th head shard."""
-        plan = self._plan
-        per_shard = plan.local_heads // plan.shards_per_rank
-        heads = HeadSlice(index * per_shard, per_shard, plan.local_heads)
-        try:
-            return open_transfer(
-                caches,
-                self._num_blocks,
-                Regions,
-                register=client.register,
-                heads=heads,
-            )
-        except ValueError as exc:
-            key = "store_tp_size"
-            raise ConfigError(key, plan.store_tp, str(exc)) from exc
 
     def _meta(self) -> ConnectorMeta | None:
         bound = self._connector_metadata

@@ -40,7 +40,12 @@ import attrs
 from connector.groups import KVGroups
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from connector.scheduler.failed_keys import FailedKeys
-from connector.scheduler.jobs import BlockPool, JobTable, failed_hashes
+from connector.scheduler.jobs import (
+    BlockPool,
+    JobTable,
+    failed_hashes,
+    save_range,
+)
 from connector.scheduler.lookup import (
     NO_LOOKUP,
     AsyncLookups,
@@ -91,7 +96,7 @@ class RequestTracker(KVTracker):
 
     Attributes:
         num_prompt_tokens: Prompt length; saves stop at the last full
-            prompt block (decode KV is not saved).
+            prompt block (unless decode KV is saved).
         num_local_tokens: vLLM's local prefix-cache hit at the lookup.
         block_hashes: vLLM's live list of the request's chained block
             hashes (grows as tokens are added).
@@ -657,37 +662,19 @@ class SchedulerSide:
         return job
 
     def _nothing_to_save(self, tracker: RequestTracker) -> bool:
-        """Prompt saved and decode blocks are not: no save is left."""
-        return (
-            not self.save_decode
-            and tracker.num_saved_tokens + self.block_size
-            > tracker.num_prompt_tokens
-        )
+        """Prompt saved, decode blocks not saved: no save is left."""
+        bs, saved = self.block_size, tracker.num_saved_tokens
+        return not self.save_decode and saved + bs > tracker.num_prompt_tokens
 
     def _maybe_save(
         self, tracker: RequestTracker, computed: int, jobs: list[TransferJob]
     ) -> None:
-        """Save the blocks `computed` filled since the last save.
-
-        Prompt blocks (a saving role); with `save_decode`, also the blocks
-        generated tokens fill, each under its own chained hash, once its
-        KV is computed (never the block of a token only sampled).
-        """
-        saves = self.role.saves
-        if not (saves or self.save_decode):
-            return
         if tracker.state is not State.SAVING:
             return
-        bs = self.block_size
-        limit = (
-            computed
-            if self.save_decode
-            else min(computed, tracker.num_prompt_tokens)
+        bs, decode = self.block_size, self.save_decode
+        first, last = save_range(
+            tracker, computed, bs, self.role.saves, decode
         )
-        last = min(limit, len(tracker.block_hashes) * bs) // bs
-        first = tracker.num_saved_tokens // bs
-        if not saves:  # a consumer keeps only what it generated
-            first = max(first, tracker.num_prompt_tokens // bs)
         if last <= first or last > len(tracker.block_ids):
             return
         if not self.registry.fire_on(tracker, Event.SAVE_ISSUED):

@@ -42,6 +42,8 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
+    from connector.worker.shards import HeadSlice
+
 _KV_HALVES: Final = 2  # K and V, on K/V-first layouts
 DEFAULT_STAGING_BLOCKS: Final = 32
 """Blocks per staging buffer (one buffer for loads, one for saves)."""
@@ -196,41 +198,6 @@ def block_pieces(
         msg = f"KV caches span several devices: {sorted(map(str, devices))}"
         raise ValueError(msg)
     return pieces
-
-
-@attrs.frozen
-class HeadSlice:
-    """KV heads ``[first, first + count)`` of a rank's ``local`` heads."""
-
-    first: int
-    count: int
-    local: int
-
-
-def head_pieces(pieces: Sequence[Piece], heads: HeadSlice) -> list[Piece]:
-    """The pieces' views of a slice of KV heads, in the same order.
-
-    Needs head-major blocks: each piece ``[num_blocks, local heads, ...]``
-    (vLLM's CPU and other HND layouts), so a head slice of a block is one
-    contiguous range.
-
-    Raises:
-        ValueError: naming the layer whose blocks are not head-major.
-    """
-    out = []
-    for piece in pieces:
-        shape = tuple(piece.view.shape)
-        if len(shape) < 3 or shape[1] != heads.local:  # noqa: PLR2004
-            msg = (
-                f"KV cache for layer {piece.layer!r} has blocks of shape "
-                f"{shape[1:]}; sharing KV by head needs head-major blocks "
-                f"[{heads.local} heads, ...]"
-            )
-            raise ValueError(msg)
-        view = piece.view[:, heads.first : heads.first + heads.count]
-        nbytes = piece.nbytes // heads.local * heads.count
-        out.append(Piece(piece.layer, view, nbytes))
-    return out
 
 
 class Transfer(Protocol):
@@ -635,6 +602,8 @@ def open_transfer(
     """
     pieces = block_pieces(kv_caches, num_blocks)
     if heads is not None:
+        from connector.worker.shards import head_pieces
+
         pieces = head_pieces(pieces, heads)
     device = pieces[0].view.device if pieces else None
     if device is not None and device.type == "cuda":
@@ -661,69 +630,3 @@ def open_transfer(
     return Direct(
         KVLayout.of_pieces(pieces, num_blocks), regions, tuple(registered)
     )
-
-
-class Sharded:
-    """Several transfers over one block each: the head shards a rank holds.
-
-    `save` and `load` take the keys shard-major (every block's key of the
-    first shard, then of the second ...); a block moved when every shard
-    of it did.
-
-    Args:
-        parts: One transfer per head shard, in shard order.
-    """
-
-    def __init__(self, parts: Sequence[Transfer]) -> None:
-        if not parts:
-            msg = "no shard to move"
-            raise ValueError(msg)
-        self.parts = tuple(parts)
-        self.registered = tuple(a for p in self.parts for a in p.registered)
-
-    def layer_written(self, layer: str) -> None:
-        """Every shard's transfer marks the layer."""
-        for part in self.parts:
-            part.layer_written(layer)
-
-    def fence(self) -> CopyWaits:
-        """One fence per shard."""
-        return tuple(part.fence() for part in self.parts)
-
-    def _split(self, keys: Sequence[str], count: int) -> list[Sequence[str]]:
-        if len(keys) != count * len(self.parts):
-            shards = len(self.parts)
-            msg = f"{len(keys)} keys for {count} blocks of {shards} shards"
-            raise ValueError(msg)
-        return [
-            keys[i * count : (i + 1) * count] for i in range(len(self.parts))
-        ]
-
-    def save(
-        self,
-        store: BlockStore,
-        keys: Sequence[str],
-        block_ids: Sequence[int],
-        fence: CopyWaits,
-    ) -> list[bool]:
-        """Put every shard of every block."""
-        flags = [True] * len(block_ids)
-        fences = fence or ((),) * len(self.parts)
-        for part, part_keys, part_fence in zip(
-            self.parts, self._split(keys, len(block_ids)), fences, strict=True
-        ):
-            got = part.save(store, part_keys, block_ids, part_fence)
-            flags = [a and b for a, b in zip(flags, got, strict=True)]
-        return flags
-
-    def load(
-        self, store: BlockStore, keys: Sequence[str], block_ids: Sequence[int]
-    ) -> list[bool]:
-        """Get every shard of every block."""
-        flags = [True] * len(block_ids)
-        for part, part_keys in zip(
-            self.parts, self._split(keys, len(block_ids)), strict=True
-        ):
-            got = part.load(store, part_keys, block_ids)
-            flags = [a and b for a, b in zip(flags, got, strict=True)]
-        return flags

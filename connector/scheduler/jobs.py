@@ -227,7 +227,7 @@ class JobTable:
 
 
 def save_range(
-    tracker: Any, computed: int, block_size: int, prompt: bool, decode: bool
+    tracker: Any, computed: int, block_size: int, *, prompt: bool, decode: bool
 ) -> tuple[int, int]:
     """Blocks ``[first, last)`` of a request to save now (maybe empty).
 
@@ -246,3 +246,9 @@ def save_range(
     if not prompt:  # a consumer keeps only what it generated
         first = max(first, num_prompt // bs)
     return first, last
+
+
+def nothing_to_save(tracker: Any, block_size: int, *, decode: bool) -> bool:
+    """Prompt saved and decode blocks not saved: no save is left."""
+    saved = tracker.num_saved_tokens + block_size
+    return not decode and saved > tracker.num_prompt_tokens

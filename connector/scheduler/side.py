@@ -44,6 +44,7 @@ from connector.scheduler.jobs import (
     BlockPool,
     JobTable,
     failed_hashes,
+    nothing_to_save,
     save_range,
 )
 from connector.scheduler.lookup import (
@@ -305,6 +306,7 @@ class SchedulerSide:
         reads per request whose prompt is saved.
         """
         resumed = cached.resumed_req_ids
+        bs = self.block_size
         get = self.registry.get
         for req_id, new_ids, computed in zip(
             cached.req_ids,
@@ -319,7 +321,7 @@ class SchedulerSide:
                 # A resume replaces the block table (vLLM #46595).
                 self.registry.fire_on(tracker, Event.RESUME)
                 self._set_tables(tracker, new_ids or ())
-            elif self._nothing_to_save(tracker):
+            elif nothing_to_save(tracker, bs, decode=self.save_decode):
                 # Prompt saved (decode): no save is left to issue, so the
                 # table is not needed until a resume replaces it.
                 continue
@@ -329,7 +331,7 @@ class SchedulerSide:
                     tracker.group_block_ids, new_ids[1:], strict=False
                 ):
                     table.extend(ids)
-            if self._nothing_to_save(tracker):
+            if nothing_to_save(tracker, bs, decode=self.save_decode):
                 continue  # prompt saved: `_maybe_save` would no-op
             done = computed + scheduled.get(req_id, 0)
             self._maybe_save(tracker, done, jobs)
@@ -661,11 +663,6 @@ class SchedulerSide:
         self.failed_keys.loading(job.block_hashes)
         return job
 
-    def _nothing_to_save(self, tracker: RequestTracker) -> bool:
-        """Prompt saved, decode blocks not saved: no save is left."""
-        bs, saved = self.block_size, tracker.num_saved_tokens
-        return not self.save_decode and saved + bs > tracker.num_prompt_tokens
-
     def _maybe_save(
         self, tracker: RequestTracker, computed: int, jobs: list[TransferJob]
     ) -> None:
@@ -673,7 +670,7 @@ class SchedulerSide:
             return
         bs, decode = self.block_size, self.save_decode
         first, last = save_range(
-            tracker, computed, bs, self.role.saves, decode
+            tracker, computed, bs, prompt=self.role.saves, decode=decode
         )
         if last <= first or last > len(tracker.block_ids):
             return

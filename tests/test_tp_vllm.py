@@ -154,3 +154,40 @@ def test_replicated_lookup_asks_for_each_key_once(make):
     assert [len(c.put_keys) for c in puts] == [4, 0, 4, 0]  # ranks 0, 2
     assert set(puts[0].put_keys).isdisjoint(puts[2].put_keys)
     clean(h)
+
+
+def chat_turn_hits(make, extra, seed, *, answer=40):
+    """Turn 1 on A; turn 2 (prompt + answer + new message) on B: B's hit."""
+    a = make(extra_config=extra)
+    first = prompt(seed, 64)
+    a.add_request("t1", first, max_tokens=answer)
+    run(a)
+    reply = a.output_token_ids("t1")
+    assert len(reply) == answer
+    b = make(extra_config=extra)
+    b.add_request("t2", [*first, *reply, 11, 12, 13], max_tokens=4)
+    run(b)
+    clean(a)
+    clean(b)
+    return sum(b.external_hits.values())
+
+
+def test_decode_cache_serves_the_next_turn(make):
+    """``save_decode_cache``: turn 2 hits the answer's full blocks.
+
+    64 prompt tokens + 40 generated: the last one's KV is never computed,
+    so 103 tokens hold KV, 6 full blocks of 16; without the decode cache
+    only the 4 prompt blocks hit.  Turn 2's KV is checked byte for byte.
+    """
+    assert chat_turn_hits(make, {"save_decode_cache": True}, 6) == 96
+    assert chat_turn_hits(make, {}, 7) == 64
+
+
+def test_consumer_saves_only_decode_blocks(make):
+    """A consumer with ``save_decode_cache`` puts no prompt block."""
+    h = make(kv_role="kv_consumer", extra_config={"save_decode_cache": True})
+    puts = count_store(h)
+    h.add_request("r", prompt(8, 64), max_tokens=40)
+    run(h)
+    assert len(puts[0].put_keys) == 2  # blocks 4 and 5: generated tokens
+    clean(h)

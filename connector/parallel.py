@@ -24,7 +24,7 @@ No vLLM import.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
@@ -202,6 +202,29 @@ class TPPlan:
             reason = f"must divide the model's {self.num_kv_heads} KV heads"
             raise ConfigError(_KEY, store_tp, reason)
 
+    @classmethod
+    def of_vllm(
+        cls, vllm_config: Any, rank: int, config: ParallelKVConfig
+    ) -> TPPlan:
+        """Rank `rank` of the instance `vllm_config` describes.
+
+        Raises:
+            ConfigError: as the constructor.
+        """
+        model = vllm_config.model_config
+        return cls(
+            tp_rank=rank,
+            tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            num_kv_heads=int(model.get_total_num_kv_heads()),
+            replicated=bool(getattr(model, "use_mla", False)),
+            store_tp=config.shared_tp,
+        )
+
+    @property
+    def plain(self) -> bool:
+        """One object per block, put by this rank: no lane of its own."""
+        return not self.shared and self.writes
+
     @property
     def shared(self) -> bool:
         """Whether blocks are stored by head shard.
@@ -297,9 +320,22 @@ class TPPlan:
 
 @attrs.frozen
 class ShardKeys:
-    """The keys of a rank's head shards, shard-major (`Sharded` order)."""
+    """The keys of a rank's head shards, shard-major (`Sharded` order).
+
+    ``attrs.evolve(keys, generation=g)`` re-keys every shard under the
+    weights generation ``g``, as it does a `KeyScheme`.
+    """
 
     schemes: tuple[KeyScheme, ...]
+    generation: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.generation is not None:
+            schemes = tuple(
+                attrs.evolve(s, generation=self.generation)
+                for s in self.schemes
+            )
+            object.__setattr__(self, "schemes", schemes)
 
     def keys(self, block_hashes: Sequence[bytes]) -> list[str]:
         """Every shard's key of every block, shard by shard."""

@@ -277,15 +277,19 @@ class Harness:
             `wait_for_lookups(timeout_s)` method), as the forward pass of
             a real engine would; None never waits (benchmarks).
         tp_size: tensor-parallel ranks, each with its own WORKER-role
-            connector (``parallel_config.rank`` set as vLLM's workers set
-            it) and KV tensors; their outputs are folded by vLLM's own
-            `KVOutputAggregator`.
+            connector (built while vLLM's `get_tensor_model_parallel_rank`
+            answers its rank, as in a worker process) and KV tensors;
+            their outputs are folded by vLLM's own `KVOutputAggregator`.
         kv_heads: the model's KV heads; each rank's KV tensors are then
             head-major ``[num_blocks, local heads, block_size, kv_width]``
             (``kv_heads / tp_size`` heads, or one head replicated on
             ``tp_size / kv_heads`` ranks) and every head holds its own
             values.  None: one head per block, ``[num_blocks, block_size,
             kv_width]`` (``tp_size`` must be 1).
+        model: the model folder vLLM is configured with (it must hold a
+            `config.json` of `num_layers` layers, see `tiny_model_dir`);
+            None: one temporary folder shared by this process's harnesses.
+        revision: `ModelConfig.revision`.
 
     """
 
@@ -311,6 +315,8 @@ class Harness:
         settle_lookups_s: float | None = 1.0,
         tp_size: int = 1,
         kv_heads: int | None = None,
+        model: str | os.PathLike[str] | None = None,
+        revision: str | None = None,
     ) -> None:
         _check_tp(tp_size, kv_heads)
         self.tp_size = tp_size
@@ -374,6 +380,8 @@ class Harness:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 enable_prefix_caching=enable_prefix_caching,
+                model=model,
+                revision=revision,
             )
             self.kv_cache_config = self._make_kv_cache_config()
             self.scheduler = self._make_scheduler()
@@ -415,6 +423,8 @@ class Harness:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_prefix_caching: bool,
+        model: str | os.PathLike[str] | None,
+        revision: str | None,
     ) -> VllmConfig:
         from vllm.config import (  # noqa: PLC0415
             CacheConfig,
@@ -426,10 +436,13 @@ class Harness:
             VllmConfig,
         )
 
+        if model is None:
+            model = _model_dir(
+                len(self.layer_names), max_model_len, self.kv_heads
+            )
         model_config = ModelConfig(
-            model=str(
-                _model_dir(len(self.layer_names), max_model_len, self.kv_heads)
-            ),
+            model=str(model),
+            revision=revision,
             skip_tokenizer_init=True,
             dtype="float32",
             max_model_len=max_model_len,
@@ -539,14 +552,15 @@ class Harness:
                 config = copy.copy(config)
                 config.parallel_config = copy.copy(config.parallel_config)
                 config.parallel_config.rank = rank
-            connector = KVConnectorFactory.create_connector(
-                config=config,
-                role=KVConnectorRole.WORKER,
-                kv_cache_config=self.kv_cache_config,
-            )
-            self._rank = rank
-            caches = self._make_kv_caches()
-            connector.register_kv_caches(caches)
+            with _tp_rank_is(rank if self.tp_size > 1 else None):
+                connector = KVConnectorFactory.create_connector(
+                    config=config,
+                    role=KVConnectorRole.WORKER,
+                    kv_cache_config=self.kv_cache_config,
+                )
+                self._rank = rank
+                caches = self._make_kv_caches()
+                connector.register_kv_caches(caches)
             self.ranks.append((connector, caches))
         self._use_rank(0)
         return self.ranks[0][0]
@@ -1301,6 +1315,27 @@ class Harness:
             )
 
 
+@contextlib.contextmanager
+def _tp_rank_is(rank: int | None) -> Iterator[None]:
+    """vLLM's `get_tensor_model_parallel_rank` answers `rank` (None: as is).
+
+    A worker process of a TP engine gets its rank from its TP process
+    group; the harness plays every rank in one process without one.
+    """
+    if rank is None:
+        yield
+        return
+    from vllm import distributed  # noqa: PLC0415
+
+    name = "get_tensor_model_parallel_rank"
+    original = getattr(distributed, name)
+    setattr(distributed, name, lambda: rank)
+    try:
+        yield
+    finally:
+        setattr(distributed, name, original)
+
+
 def _check_tp(tp_size: int, kv_heads: int | None) -> None:
     if tp_size < 1 or (tp_size > 1 and kv_heads is None):
         msg = f"tp_size {tp_size} needs kv_heads (and must be positive)"
@@ -1340,6 +1375,20 @@ def _heads_model_dir(base: Path, kv_heads: int) -> Path:
     config["num_key_value_heads"] = kv_heads
     config["num_attention_heads"] = max(kv_heads, 4)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def tiny_model_dir(
+    folder: Path, *, num_layers: int = 2, max_model_len: int = 1024
+) -> Path:
+    """Write the harness's tiny model `config.json` into `folder`.
+
+    For a harness configured with a model path of its own (`model`);
+    `num_layers` and `max_model_len` must match the harness's.
+    """
+    source = _tiny_model_dir(num_layers, max_model_len) / "config.json"
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source, folder / "config.json")
     return folder
 
 

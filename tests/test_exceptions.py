@@ -54,6 +54,12 @@ def _samples() -> dict[type[BaseException], BaseException]:
             "full_attention, sliding_window",
             "group 1 is mamba",
         ),
+        cerr.UnsupportedParallelism(
+            "pipeline_parallel_size", 2, "stages cannot be looked up"
+        ),
+        cerr.ParallelRankError(
+            "tensor-parallel rank", 2, "AssertionError: no TP group"
+        ),
         lerr.IllegalTransition(State.NEW, Event.LOAD_DONE, "r1", 2),
         lerr.UnknownRequest(Event.FINISH, "r2"),
         lerr.InvalidTable((problem,)),

@@ -23,13 +23,20 @@ The connector declares vLLM's `SupportsHMA`: it runs with the hybrid KV
 cache manager, over full-attention and sliding-window KV cache groups
 (`connector.groups`); a model with any other group kind (Mamba/SSM
 state, ...) is refused at start-up with `UnsupportedKVGroups`.
+
+Identity: a stored block's key names the model as configured (full name
+or path, and revision), the TP shard, the pipeline stage, the layout and
+a weights generation (`connector.store.keys`).  Pipeline parallelism is
+refused at start-up (`UnsupportedParallelism`): the scheduler half sees
+one stage's layout and could not tell whether every stage's blocks are
+stored.  `reset_cache` moves to a new weights generation.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from pathlib import PurePath
+import uuid
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -42,8 +49,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from connector.config import LookupConfig, StoreConfig, TraceConfig
-from connector.errors import ConfigError
+from connector.config import (
+    IdentityConfig,
+    LookupConfig,
+    StoreConfig,
+    TraceConfig,
+)
+from connector.errors import (
+    ConfigError,
+    ParallelRankError,
+    UnsupportedParallelism,
+)
 from connector.groups import KVGroups, Lane
 from connector.integration.stats import (
     LifecycleConnectorStats,
@@ -51,15 +67,15 @@ from connector.integration.stats import (
     StatsSource,
 )
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
-from connector.parallel import ParallelKVConfig, ShardKeys, TPPlan
-from connector.scheduler.failed_keys import DEFAULT_TTL_S, FailedKeys
+from connector.parallel import ParallelKVConfig, TPPlan
+from connector.scheduler.failed_keys import FailedKeys
 from connector.scheduler.lookup import leading_hits
 from connector.scheduler.side import Role, SchedulerSide
 from connector.store import Regions, StoreClient, clients
 from connector.store.keys import KeyLayout, KeyScheme
-from connector.worker.shards import sharded_transfer
+from connector.worker.shards import group_lane
 from connector.worker.side import WorkerSide
-from connector.worker.transfer import KVLayout, Transfer, open_transfer
+from connector.worker.transfer import KVLayout
 from lifecycle.trace import TraceError, TraceWriter
 
 if TYPE_CHECKING:
@@ -190,50 +206,61 @@ def _open_trace(
     return writer
 
 
-def _failed_load_ttl_s(extra: dict[str, Any]) -> float:
-    """``failed_load_ttl_s``: how long a failed load's blocks are skipped.
+def _tp_rank(tp_size: int) -> int:
+    """This worker's tensor-parallel rank, as vLLM's TP group says.
 
-    Size it to the master's ``client_ttl`` + 1 s (default 15 s).
+    Raises:
+        ParallelRankError: vLLM has no TP group in this process, or its
+            rank is not below `tp_size` (guessing 0 would make every rank
+            read and write rank 0's keys).
     """
-    key = "failed_load_ttl_s"
-    value = extra.get(key, DEFAULT_TTL_S)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not value > 0
-    ):
-        raise ConfigError(key, value, "expected a positive number of seconds")
-    return float(value)
-
-
-def _tp_rank(parallel: Any) -> int:
-    """This worker's TP rank: vLLM's TP group, else the worker's rank.
-
-    vLLM's workers set ``parallel_config.rank`` (``pp_rank * tp_size +
-    tp_rank``) before they build the connector; a harness without a
-    process group sets it alike.
-    """
+    what = "tensor-parallel rank"
     try:
         from vllm.distributed import (  # noqa: PLC0415 - needs a worker
             get_tensor_model_parallel_rank,
         )
 
-        return int(get_tensor_model_parallel_rank())
-    except (AssertionError, ImportError, RuntimeError):
-        rank = getattr(parallel, "rank", 0)
-        return int(rank) % int(parallel.tensor_parallel_size)
+        rank = int(get_tensor_model_parallel_rank())
+    except Exception as exc:
+        reason = f"vLLM answered {type(exc).__name__}: {exc}"
+        raise ParallelRankError(what, tp_size, reason) from exc
+    if not 0 <= rank < tp_size:
+        reason = f"vLLM answered rank {rank}"
+        raise ParallelRankError(what, tp_size, reason)
+    return rank
 
 
-def _tp_plan(vllm_config: Any, rank: int, config: ParallelKVConfig) -> TPPlan:
-    """The rank's KV shard, replicas and store layout."""
-    model = vllm_config.model_config
-    return TPPlan(
-        tp_rank=rank,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        num_kv_heads=int(model.get_total_num_kv_heads()),
-        replicated=bool(getattr(model, "use_mla", False)),
-        store_tp=config.shared_tp,
-    )
+def _check_parallelism(parallel: Any) -> int:
+    """The pipeline-parallel size, refused unless 1.
+
+    Raises:
+        UnsupportedParallelism: ``pipeline_parallel_size`` > 1.
+    """
+    pp_size = int(getattr(parallel, "pipeline_parallel_size", 1))
+    if pp_size != 1:
+        reason = (
+            "each pipeline stage holds the KV of its own layers, and the "
+            "scheduler half sees one stage's layout, so a lookup could not "
+            "tell whether every stage's blocks are stored; run with "
+            "pipeline_parallel_size=1 (tensor parallelism is supported)"
+        )
+        setting = "pipeline_parallel_size"
+        raise UnsupportedParallelism(setting, pp_size, reason)
+    return pp_size
+
+
+def _warn_failure_policy(transfer: Any) -> None:
+    """WARN when vLLM fails requests whose load failed (policy ``fail``)."""
+    policy = getattr(transfer, "kv_load_failure_policy", "recompute")
+    if policy == "fail":
+        log.warning(
+            "kv_transfer_config.kv_load_failure_policy is 'fail' (vLLM's "
+            "default): a load the store cannot serve (a dead or hung peer, "
+            "a master restart, an evicted block) will fail its request "
+            "with an error instead of recomputing the blocks. Set "
+            '"kv_load_failure_policy": "recompute" to keep serving '
+            "through store faults."
+        )
 
 
 class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
@@ -262,34 +289,52 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         self._store_config = StoreConfig.from_vllm(extra)
         trace = TraceConfig.from_extra_config(extra)
         lookups = LookupConfig.from_extra_config(extra)
+        identity = IdentityConfig.from_extra_config(extra)
         self._parallel = ParallelKVConfig.from_extra_config(extra)
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
-        model = PurePath(str(vllm_config.model_config.model)).name
+        pp_size = _check_parallelism(parallel)
+        model_config = vllm_config.model_config
         self._groups = KVGroups.from_kv_cache_config(kv_cache_config)
         layouts = [
             _layout(kv_cache_config, g.index) for g in self._groups.groups
         ]
+        self._weights_version = identity.weights_version
 
-        def scheme(rank: int, group: int = 0) -> KeyScheme:
+        def scheme(
+            rank: int, group: int = 0, generation: str | None = None
+        ) -> KeyScheme:
             return KeyScheme(
                 namespace=self._store_config.namespace,
-                model=model,
+                model=str(model_config.model),
+                revision=str(getattr(model_config, "revision", None) or ""),
+                generation=(
+                    identity.weights_version
+                    if generation is None
+                    else generation
+                ),
                 tp_rank=rank,
                 tp_size=tp_size,
+                pp_rank=0,
+                pp_size=pp_size,
                 layout=layouts[group],
                 kv_group=group,
             )
 
-        self._client: StoreClient | None = clients.acquire(
-            self._store_config,
-            contribute=role != KVConnectorRole.SCHEDULER,
-        )
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
-        self._registered: list[int] = []
-        rank = _tp_rank(parallel) if tp_size > 1 else 0
-        self._plan = _tp_plan(vllm_config, rank, self._parallel)
+        def lookup_schemes(generation: str | None) -> tuple[KeyScheme, ...]:
+            """Every distinct key of every rank and group (group-major)."""
+            return tuple(
+                s
+                for g in self._groups.groups
+                for s in self._plan.schemes(
+                    scheme(0, g.index, generation), ranks=range(tp_size)
+                )
+            )
+
+        self._lookup_schemes = lookup_schemes
+        worker = role != KVConnectorRole.SCHEDULER
+        rank = _tp_rank(tp_size) if worker and tp_size > 1 else 0
+        self._plan = TPPlan.of_vllm(vllm_config, rank, self._parallel)
         if self._parallel.shared_tp is not None and not self._plan.shared:
             log.info(
                 "KV is identical on every TP rank (MLA or one KV head): "
@@ -298,6 +343,15 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._keys = [scheme(rank, g.index) for g in self._groups.groups]
         self._rank_schemes = [self._plan.schemes(k) for k in self._keys]
+        if not worker:
+            _warn_failure_policy(transfer)
+        self._client: StoreClient | None = clients.acquire(
+            self._store_config,
+            contribute=role != KVConnectorRole.SCHEDULER,
+        )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._registered: list[int] = []
         self._num_blocks = kv_cache_config.num_blocks
         try:
             if role == KVConnectorRole.SCHEDULER:
@@ -308,20 +362,12 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                     else vllm_config.cache_config.block_size,
                     role=Role(transfer.kv_role),
                     lookup=_StoreLookup(
-                        self._client,
-                        tuple(
-                            s
-                            for k in self._keys
-                            for s in self._plan.schemes(
-                                k, ranks=range(tp_size)
-                            )
-                        ),
-                        self._groups,
+                        self._client, lookup_schemes(None), self._groups
                     ),
                     world_size=parallel.world_size,
                     lookup_timeout_s=lookups.timeout_ms / 1000,
                     max_pending=lookups.max_pending,
-                    failed_keys=FailedKeys(_failed_load_ttl_s(extra)),
+                    failed_keys=FailedKeys(lookups.failed_load_ttl_s),
                     groups=self._groups if hybrid else None,
                     save_decode=self._parallel.save_decode_cache,
                 )
@@ -417,6 +463,42 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         """Saves still pin blocks: keep the engine stepping."""
         return self.scheduler_side.has_pending_push_work()
 
+    def reset_cache(self) -> bool | None:
+        """Move to a new weights generation: KV stored before never hits.
+
+        vLLM 0.33 calls it on the scheduler-role connector for
+        ``reset_prefix_cache(reset_connector=True)`` (RL frameworks do,
+        after every weight update).  The new generation,
+        ``<weights_version>+reset-<random>``, is this instance's own: no
+        earlier KV and no other instance shares its keys, since nothing
+        tells the connector which weights another instance now holds.
+        Later lookups and jobs use it (the worker half learns it from the
+        step's metadata); jobs already issued keep theirs.  Old keys are
+        not removed: instances that did not reset still serve them, and
+        the master's eviction reclaims them once unused.
+
+        Returns:
+            True once moved (scheduler role); False after `shutdown`;
+            None in the worker role (vLLM does not call it there).
+        """
+        if self._scheduler is None:
+            return None
+        if self._client is None:
+            return False
+        generation = f"{self._weights_version}+reset-{uuid.uuid4().hex}"
+        self._scheduler.reset_generation(
+            generation,
+            _StoreLookup(
+                self._client, self._lookup_schemes(generation), self._groups
+            ),
+        )
+        log.info(
+            "kv-lifecycle: cache reset, new weights generation %r; KV "
+            "stored before it will not be loaded",
+            generation,
+        )
+        return True
+
     def wait_for_lookups(self, timeout_s: float) -> bool:
         """Block until this step's lookups ran: harnesses and tests only.
 
@@ -482,37 +564,20 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             ConfigError: ``store_tp_size`` over KV blocks that are not
                 head-major.
         """
-        plan = self._plan
-        if not (self._groups.hybrid or plan.shared or not plan.writes):
+        if self._plan.plain and not self._groups.hybrid:
             return []
-        lanes = []
-        for group in self._groups.groups:
-            layers = self._group_layers(kv_caches, group.index)
-            caches = {n: kv_caches[n] for n in layers}
-            keys = self._keys[group.index]
-            transfer: Transfer
-            if plan.shared:
-                transfer = sharded_transfer(
-                    caches, self._num_blocks, Regions, client.register, plan
-                )
-                keys_of: Any = ShardKeys(self._rank_schemes[group.index])
-            else:
-                transfer = open_transfer(
-                    caches,
-                    self._num_blocks,
-                    Regions,
-                    register=client.register,
-                )
-                keys_of = self._rank_schemes[group.index][0]
-            lanes.append(
-                Lane(
-                    keys_of,
-                    transfer,
-                    keys.layout.block_bytes,
-                    writes=plan.writes,
-                )
+        return [
+            group_lane(
+                {n: kv_caches[n] for n in self._group_layers(kv_caches, g)},
+                self._num_blocks,
+                Regions,
+                register=client.register,
+                plan=self._plan,
+                schemes=self._rank_schemes[g],
+                block_bytes=self._keys[g].layout.block_bytes,
             )
-        return lanes
+            for g in range(len(self._groups.groups))
+        ]
 
     def _meta(self) -> ConnectorMeta | None:
         bound = self._connector_metadata

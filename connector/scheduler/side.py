@@ -201,12 +201,38 @@ class SchedulerSide:
         self._step = 0
         self._loads_to_issue: list[RequestTracker] = []
         self.unexpected_reports = 0
+        #: The weights generation of the jobs issued now (None: the
+        #: configured one, before any `reset_generation`).
+        self.generation: str | None = None
 
     # -- wiring -------------------------------------------------------------
 
     def bind_block_pool(self, pool: BlockPool) -> None:
         """Let saves pin their blocks (vLLM >= 0.22)."""
         self._open.pool = pool
+
+    def reset_generation(self, generation: str, lookup: HitLookup) -> None:
+        """Move to a new weights generation: KV stored before never hits.
+
+        Later lookups ask `lookup` (the new generation's keys) and later
+        jobs are keyed under `generation` (`ConnectorMeta.generation`).
+        Lookups in flight and cached answers are dropped, so a waiting
+        request is looked up again; a request past admission saves no
+        more blocks, since its KV may come from the old weights.  Jobs
+        already issued keep the generation they were issued under.
+        """
+        self._lookup = lookup
+        self.generation = generation
+        for pending in list(self._pending.values()):
+            self._drop_lookup(pending, "reset")
+        self._short.clear()
+        for tracker in self.registry:
+            if tracker.state in _WAITING_STATES:
+                tracker.lookup_key = (-1, -1)
+            else:
+                tracker.num_saved_tokens = max(
+                    tracker.num_saved_tokens, tracker.num_prompt_tokens
+                )
 
     # -- hooks ----------------------------------------------------------------
 
@@ -295,6 +321,7 @@ class SchedulerSide:
             jobs=tuple(jobs),
             preempted=tuple(preempted),
             finished=frozenset(so.finished_req_ids),
+            generation=self.generation,
         )
 
     def _cached_reqs(

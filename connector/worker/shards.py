@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from connector.errors import ConfigError
+from connector.groups import Lane
 from connector.worker.transfer import (
     BlockStore,
     CopyWaits,
@@ -28,8 +29,15 @@ if TYPE_CHECKING:
     import torch
 
     from connector.parallel import TPPlan
+    from connector.store.keys import KeyScheme
 
-__all__ = ["HeadSlice", "Sharded", "head_pieces", "sharded_transfer"]
+__all__ = [
+    "HeadSlice",
+    "Sharded",
+    "group_lane",
+    "head_pieces",
+    "sharded_transfer",
+]
 
 
 @attrs.frozen
@@ -163,3 +171,39 @@ def sharded_transfer(
             key = "store_tp_size"
             raise ConfigError(key, plan.store_tp, str(exc)) from exc
     return Sharded(parts)
+
+
+def group_lane(
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    regions: Any,
+    *,
+    register: Register,
+    plan: TPPlan,
+    schemes: Sequence[KeyScheme],
+    block_bytes: int,
+) -> Lane:
+    """How one KV cache group's blocks move on this rank.
+
+    Head-sharded: one transfer per head shard the rank holds, keys
+    shard-major (`ShardKeys`).  Per rank: one transfer, the rank's scheme.
+    A replica rank's lane does not write.
+
+    Raises:
+        ConfigError: (``store_tp_size``) the KV blocks are not head-major.
+    """
+    from connector.parallel import ShardKeys  # noqa: PLC0415
+
+    transfer: Transfer
+    keys: Any
+    if plan.shared:
+        transfer = sharded_transfer(
+            kv_caches, num_blocks, regions, register, plan
+        )
+        keys = ShardKeys(tuple(schemes))
+    else:
+        transfer = open_transfer(
+            kv_caches, num_blocks, regions, register=register
+        )
+        keys = schemes[0]
+    return Lane(keys, transfer, block_bytes, writes=plan.writes)

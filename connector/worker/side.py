@@ -172,8 +172,16 @@ class WorkerSide:
         self.registry = Registry(self.machine, KVTracker)
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
         self._queues: dict[
-            JobKind, queue.SimpleQueue[tuple[TransferJob, CopyWaits] | None]
+            JobKind,
+            queue.SimpleQueue[
+                tuple[TransferJob, CopyWaits, tuple[Lane, ...]] | None
+            ],
         ] = {k: queue.SimpleQueue() for k in JobKind}
+        # The lanes of the latest weights generation a step named.
+        self._generation: tuple[str | None, tuple[Lane, ...]] = (
+            None,
+            self.lanes,
+        )
         self._threads = [
             threading.Thread(
                 target=self._serve,
@@ -276,10 +284,11 @@ class WorkerSide:
         for job in meta.jobs:
             if job.kind is not JobKind.SAVE or not self._accept(job):
                 continue
+            lanes = self._lanes_for(meta)
             if job.pinned:
-                self._queues[JobKind.SAVE].put((job, fence))
+                self._queues[JobKind.SAVE].put((job, fence, lanes))
             else:
-                self._run(job, fence)
+                self._run(job, fence, lanes)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Drain ended jobs: (done sending, done receiving).
@@ -395,7 +404,28 @@ class WorkerSide:
             if job.kind is JobKind.LOAD and self._accept(job):
                 if job.finished:  # its finish notice came before the job
                     self.registry.fire(job.req_id, Event.FINISH)
-                self._queues[JobKind.LOAD].put((job, ()))
+                self._queues[JobKind.LOAD].put(
+                    (job, (), self._lanes_for(meta))
+                )
+
+    def _lanes_for(self, meta: ConnectorMeta) -> tuple[Lane, ...]:
+        """The lanes keying `meta`'s jobs under its weights generation.
+
+        A job is keyed under the generation of the step that issued it,
+        even when it runs after a later step moved on.
+        """
+        generation = meta.generation
+        if generation is None:
+            return self.lanes
+        if self._generation[0] != generation:
+            lanes = tuple(
+                attrs.evolve(
+                    lane, keys=attrs.evolve(lane.keys, generation=generation)
+                )
+                for lane in self.lanes
+            )
+            self._generation = (generation, lanes)
+        return self._generation[1]
 
     def _catch_up(self, tracker: KVTracker, epoch: int) -> None:
         """Replay preemptions the worker learns of late, through the table."""
@@ -485,11 +515,17 @@ class WorkerSide:
         while (item := source.get()) is not None:
             self._run(*item)
 
-    def _run(self, job: TransferJob, fence: CopyWaits) -> None:
+    def _run(
+        self,
+        job: TransferJob,
+        fence: CopyWaits,
+        lanes: tuple[Lane, ...] | None = None,
+    ) -> None:
         """Run one job and fire its completion; never raises."""
         failed: frozenset[int] = frozenset()
         try:
-            flags = move_blocks(self.lanes, self._store, job, fence)
+            lanes = self.lanes if lanes is None else lanes
+            flags = move_blocks(lanes, self._store, job, fence)
             self._count_moved(job, flags)
             failed = frozenset(
                 b for b, ok in zip(job.block_ids, flags, strict=True) if not ok

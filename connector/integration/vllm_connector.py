@@ -341,6 +341,9 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 "stored once per block, shared by every TP size; "
                 "store_tp_size is not needed"
             )
+        if self._plan.shared and self._groups.hybrid:
+            key, why = "store_tp_size", "the head-sharded layout: one group"
+            raise ConfigError(key, self._plan.store_tp, why)
         self._keys = [scheme(rank, g.index) for g in self._groups.groups]
         self._rank_schemes = [self._plan.schemes(k) for k in self._keys]
         if not worker:

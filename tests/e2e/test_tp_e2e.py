@@ -148,3 +148,30 @@ def test_tp2_shares_with_tp2_and_tp1_byte_for_byte(model, master, tmp_path):
             assert sorted(map(sorted, shards)) == [["tp0of2"], ["tp1of2"]]
         else:
             assert shards == [{"tp0of2", "tp1of2"}]
+
+
+def test_tp2_replicated_kv_is_put_by_one_rank(tmp_path, master):
+    """One KV head at TP=2: one rank puts each block, both ranks read it."""
+    mqa = ensure_model("tiny-mqa", seed=0)
+    namespace = f"mqa-{uuid.uuid4().hex[:8]}"
+    a_snaps, b_snaps = tmp_path / "a", tmp_path / "b"
+    with EngineProcess(
+        spec(mqa, 2, observed(master, namespace, a_snaps, "kv_both"))
+    ) as engine:
+        a_gen = engine.generate(prompts(), MAX_TOKENS)
+        settle(engine, a_snaps)
+    a_ranks = read_snapshots(a_snaps, "worker")
+    puts = sorted(len(r["digests"]["put"]) for r in a_ranks)
+    assert puts == [0, sum(n // BLOCK for n in LENS)]
+    (put,) = [r["digests"]["put"] for r in a_ranks if r["digests"]["put"]]
+    with EngineProcess(
+        spec(mqa, 2, observed(master, namespace, b_snaps, "kv_consumer"))
+    ) as engine:
+        b_gen = engine.generate(prompts(), MAX_TOKENS)
+        settle(engine, b_snaps)
+    assert b_gen.num_cached_tokens == [(n - 1) // BLOCK * BLOCK for n in LENS]
+    assert b_gen.token_ids == a_gen.token_ids
+    got = [r["digests"]["got"] for r in read_snapshots(b_snaps, "worker")]
+    assert len(got) == 2
+    assert got[0] == got[1] == {k: put[k] for k in got[0]}
+    assert {tp_part(k) for k in got[0]} == {"tp0of1"}

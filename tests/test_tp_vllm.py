@@ -198,3 +198,25 @@ def test_consumer_saves_only_decode_blocks(make):
     run(h)
     assert len(puts[0].put_keys) == 2  # blocks 4 and 5: generated tokens
     clean(h)
+
+
+def test_bad_store_tp_sizes_refuse_to_start(extra, harnesses):
+    """A store_tp_size the heads or ranks cannot split, or a hybrid model:
+    a ConfigError naming ``store_tp_size`` when vLLM builds the connector."""
+    from connector.errors import ConfigError  # noqa: PLC0415
+    from harness.hybrid import HybridHarness  # noqa: PLC0415
+
+    cases = [
+        (Harness, {"store_tp_size": 3}, {"tp_size": 1, "kv_heads": 4}),
+        (Harness, {"store_tp_size": 2}, {"tp_size": 4, "kv_heads": 4}),
+        (HybridHarness, {"store_tp_size": 2}, {}),
+    ]
+    for cls, more, kwargs in cases:
+        with pytest.raises(Exception) as err:  # noqa: PT011 - vLLM may wrap
+            harnesses.append(
+                cls(CONNECTOR, extra_config={**extra, **more}, **kwargs)
+            )
+        chain = [err.value, err.value.__cause__, err.value.__context__]
+        found = [e for e in chain if isinstance(e, ConfigError)]
+        assert found, err.value
+        assert found[0].key == "store_tp_size"

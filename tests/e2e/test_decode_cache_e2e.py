@@ -30,7 +30,7 @@ from e2e.lifecycle_connectors import SNAPSHOT_DIR_KEY
 from e2e.make_model import ensure_model
 from e2e.snapshots import settle
 
-pytestmark = [pytest.mark.e2e, pytest.mark.mooncake]
+pytestmark = [pytest.mark.e2e, pytest.mark.mooncake, pytest.mark.slow]
 
 BLOCK = 32
 ANSWER = 40
@@ -80,15 +80,15 @@ def test_next_turn_hits_the_answer(master, tmp_path, decode):
     conn = observed(
         master, namespace, tmp_path / "a", "kv_both", save_decode_cache=decode
     )
-    with EngineProcess(spec(model, conn)) as engine:
-        answer = engine.generate([first], ANSWER).token_ids[0]
-        settle(engine, tmp_path / "a")
-    turn = [*first, *answer, *random_tokens(rng, 12, low=3, vocab=512)]
-    with EngineProcess(spec(model)) as engine:
-        expected = engine.generate([turn], 8).token_ids
-    conn = observed(master, namespace, tmp_path / "b", "kv_consumer")
-    with EngineProcess(spec(model, conn)) as engine:
-        gen = engine.generate([turn], 8)
+    with EngineProcess(spec(model, conn)) as saver:  # up: its segment
+        answer = saver.generate([first], ANSWER).token_ids[0]
+        settle(saver, tmp_path / "a")
+        turn = [*first, *answer, *random_tokens(rng, 12, low=3, vocab=512)]
+        with EngineProcess(spec(model)) as engine:
+            expected = engine.generate([turn], 8).token_ids
+        conn = observed(master, namespace, tmp_path / "b", "kv_consumer")
+        with EngineProcess(spec(model, conn)) as engine:
+            gen = engine.generate([turn], 8)
     # 70 + 39 tokens hold KV (the last answer token is only sampled).
     held = (70 + ANSWER - 1) // BLOCK if decode else 70 // BLOCK
     assert gen.num_cached_tokens == [held * BLOCK]

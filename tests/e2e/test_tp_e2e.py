@@ -104,12 +104,8 @@ def master(master_binary):
 
 
 def run(model, tp, conn=None, snaps=None):
-    """Greedy tokens and external hits of `longer()` (after `prompts()`
-    for a saver), and the ranks' worker snapshots."""
+    """Greedy tokens of `longer()`; the ranks' worker snapshots."""
     with EngineProcess(spec(model, tp, conn)) as engine:
-        if conn is not None and conn.role == "kv_both":
-            engine.generate(prompts(), MAX_TOKENS)
-            settle(engine, snaps)
         gen = engine.generate(longer(), MAX_TOKENS)
         if snaps is not None:
             settle(engine, snaps)
@@ -118,36 +114,40 @@ def run(model, tp, conn=None, snaps=None):
 
 
 def test_tp2_shares_with_tp2_and_tp1_byte_for_byte(model, master, tmp_path):
+    """A (TP=2) saves and stays up (the stored blocks live in its segment);
+    B (TP=2) and C (TP=1) load them."""
     base2, _ = run(model, 2)
     base1, _ = run(model, 1)
     namespace = f"tp-{uuid.uuid4().hex[:8]}"
     a_snaps = tmp_path / "a"
-    _, a_ranks = run(
-        model, 2, observed(master, namespace, a_snaps, "kv_both"), a_snaps
-    )
-    assert len(a_ranks) == 2
-    put = {}
-    for rank in a_ranks:
-        put.update(rank["digests"]["put"])
-    hits = [(n // BLOCK) * BLOCK for n in LENS]  # longer(): whole blocks
-    assert len(put) == 2 * sum(hits) // BLOCK  # two head shards per block
-    for tp, base in ((2, base2), (1, base1)):
-        snaps = tmp_path / f"tp{tp}"
-        conn = observed(master, namespace, snaps, "kv_consumer")
-        gen, ranks = run(model, tp, conn, snaps)
-        assert gen.num_cached_tokens == hits
-        assert gen.token_ids == base.token_ids
-        assert len(ranks) == tp
-        shards = []
-        for rank in ranks:
-            got = rank["digests"]["got"]
-            assert got, "every rank loads"
-            assert {k: put.get(k) for k in got} == got  # byte for byte
-            shards.append({tp_part(k) for k in got})
-        if tp == 2:  # each rank reads its own head shard only
-            assert sorted(map(sorted, shards)) == [["tp0of2"], ["tp1of2"]]
-        else:
-            assert shards == [{"tp0of2", "tp1of2"}]
+    a_conn = observed(master, namespace, a_snaps, "kv_both")
+    with EngineProcess(spec(model, 2, a_conn)) as saver:
+        saver.generate(prompts(), MAX_TOKENS)
+        settle(saver, a_snaps)
+        a_ranks = read_snapshots(a_snaps, "worker")
+        assert len(a_ranks) == 2
+        put = {}
+        for rank in a_ranks:
+            put.update(rank["digests"]["put"])
+        hits = [(n // BLOCK) * BLOCK for n in LENS]  # longer(): whole blocks
+        assert len(put) == 2 * sum(hits) // BLOCK  # two head shards a block
+        for tp, base in ((2, base2), (1, base1)):
+            snaps = tmp_path / f"tp{tp}"
+            conn = observed(master, namespace, snaps, "kv_consumer")
+            gen, ranks = run(model, tp, conn, snaps)
+            assert gen.num_cached_tokens == hits
+            assert gen.token_ids == base.token_ids
+            assert len(ranks) == tp
+            shards = []
+            for rank in ranks:
+                got = rank["digests"]["got"]
+                assert got, "every rank loads"
+                assert {k: put.get(k) for k in got} == got  # byte for byte
+                shards.append({tp_part(k) for k in got})
+            if tp == 2:  # each rank reads its own head shard only
+                assert sorted(map(sorted, shards)) == [["tp0of2"], ["tp1of2"]]
+            else:
+                assert shards == [{"tp0of2", "tp1of2"}]
 
 
 def test_tp2_replicated_kv_is_put_by_one_rank(tmp_path, master):
@@ -157,18 +157,18 @@ def test_tp2_replicated_kv_is_put_by_one_rank(tmp_path, master):
     a_snaps, b_snaps = tmp_path / "a", tmp_path / "b"
     with EngineProcess(
         spec(mqa, 2, observed(master, namespace, a_snaps, "kv_both"))
-    ) as engine:
-        a_gen = engine.generate(prompts(), MAX_TOKENS)
-        settle(engine, a_snaps)
-    a_ranks = read_snapshots(a_snaps, "worker")
-    puts = sorted(len(r["digests"]["put"]) for r in a_ranks)
-    assert puts == [0, sum(n // BLOCK for n in LENS)]
-    (put,) = [r["digests"]["put"] for r in a_ranks if r["digests"]["put"]]
-    with EngineProcess(
-        spec(mqa, 2, observed(master, namespace, b_snaps, "kv_consumer"))
-    ) as engine:
-        b_gen = engine.generate(prompts(), MAX_TOKENS)
-        settle(engine, b_snaps)
+    ) as saver:  # up while B loads: the blocks live in its segment
+        a_gen = saver.generate(prompts(), MAX_TOKENS)
+        settle(saver, a_snaps)
+        a_ranks = read_snapshots(a_snaps, "worker")
+        puts = sorted(len(r["digests"]["put"]) for r in a_ranks)
+        assert puts == [0, sum(n // BLOCK for n in LENS)]
+        (put,) = [r["digests"]["put"] for r in a_ranks if r["digests"]["put"]]
+        with EngineProcess(
+            spec(mqa, 2, observed(master, namespace, b_snaps, "kv_consumer"))
+        ) as engine:
+            b_gen = engine.generate(prompts(), MAX_TOKENS)
+            settle(engine, b_snaps)
     assert b_gen.num_cached_tokens == [(n - 1) // BLOCK * BLOCK for n in LENS]
     assert b_gen.token_ids == a_gen.token_ids
     got = [r["digests"]["got"] for r in read_snapshots(b_snaps, "worker")]

@@ -846,9 +846,13 @@ class Harness:
 
     def close(self) -> None:
         """Shut every connector instance and the scheduler down."""
-        for connector, _ in getattr(self, "ranks", ()):
+        ranks = getattr(self, "ranks", None) or [
+            (getattr(self, "worker_connector", None), {})
+        ]
+        for connector, _ in ranks:
             with contextlib.suppress(Exception):
-                connector.shutdown()
+                if connector is not None:
+                    connector.shutdown()
         with contextlib.suppress(Exception):
             self.scheduler.shutdown()
 
@@ -1248,6 +1252,11 @@ class Harness:
         self,
     ) -> Iterator[tuple[int, int, str, int, Any]]:
         """(rank, layer, name, model head, slot view) over every rank."""
+        if self.tp_size == 1:  # also a subclass that builds no `ranks`
+            for layer, name in enumerate(self.layer_names):
+                for head, kv in self._head_views(name):
+                    yield 0, layer, name, head, kv
+            return
         current = self._rank
         for rank in range(self.tp_size):
             self._use_rank(rank)

@@ -77,15 +77,15 @@ class UTracker(Tracker[UState]):
     attempts: int = 0
 
 
-def _release(tracker: UTracker) -> None:
+def _release(tracker: UTracker, _data: object = None) -> None:
     tracker.blocks.clear()
 
 
-def _attempt(tracker: UTracker) -> None:
+def _attempt(tracker: UTracker, _data: object = None) -> None:
     tracker.attempts += 1
 
 
-def _can_retry(tracker: UTracker) -> bool:
+def _can_retry(tracker: UTracker, _data: object = None) -> bool:
     return tracker.attempts < 1_000_000
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, Protocol
 
 from transitions import EventData, Machine
 
+from lifecycle._generic import Padded
 from lifecycle._ratelimit import RateLimitedLog
 from lifecycle.errors import IllegalTransition, UnknownRequest
 from lifecycle.table import Callback, Guard, Row, Table, event_name
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     S = TypeVar("S", bound=enum.Enum)
     E = TypeVar("E", bound=enum.Enum)
     T = TypeVar("T", bound=Tracker[Any], default=Tracker[Any])
+    D = TypeVar("D", default=Any)
+    D_contra = TypeVar("D_contra", contravariant=True)
     S_contra = TypeVar("S_contra", bound=enum.Enum, contravariant=True)
     E_contra = TypeVar("E_contra", bound=enum.Enum, contravariant=True)
     T_contra = TypeVar("T_contra", bound=Tracker[Any], contravariant=True)
@@ -42,6 +45,8 @@ else:
     S = TypeVar("S", bound=enum.Enum)
     E = TypeVar("E", bound=enum.Enum)
     T = TypeVar("T", bound=Tracker)
+    D = TypeVar("D")
+    D_contra = TypeVar("D_contra", contravariant=True)
     S_contra = TypeVar("S_contra", bound=enum.Enum, contravariant=True)
     E_contra = TypeVar("E_contra", bound=enum.Enum, contravariant=True)
     T_contra = TypeVar("T_contra", bound=Tracker, contravariant=True)
@@ -84,7 +89,10 @@ Args:
     event: The event (a member of the table's event enum).
     epoch: The epoch a transfer job was issued in.  If it differs
         from the tracker's, the event is stale: counted, never
-        applied, never raised.
+        applied, never raised (the ``always`` callbacks of its rows
+        from the tracker's state still run).
+    data: Passed to every guard and callback the event runs, as their
+        second argument (None when not given).
 
 Returns:
     True if a row applied.  False for an illegal ordering (tracker
@@ -99,9 +107,14 @@ Raises:
 """
 
 
-class _Fire(Protocol[T_contra, E_contra]):
+class _Fire(Protocol[T_contra, E_contra, D_contra]):
     def __call__(
-        self, tracker: T_contra, event: E_contra, *, epoch: int | None = None
+        self,
+        tracker: T_contra,
+        event: E_contra,
+        *,
+        epoch: int | None = None,
+        data: D_contra | None = None,
     ) -> bool: ...
 
 
@@ -114,7 +127,7 @@ class _TxCallback:
         self.target = target
 
     def __call__(self, event_data: EventData) -> None:
-        self.target(event_data.model)
+        self.target(event_data.model, event_data.kwargs.get("data"))
 
 
 class _TxGuard:
@@ -126,14 +139,16 @@ class _TxGuard:
         self.target = target
 
     def __call__(self, event_data: EventData) -> bool:
-        return bool(self.target(event_data.model))
+        return bool(
+            self.target(event_data.model, event_data.kwargs.get("data"))
+        )
 
 
 # A compiled row: (dest, callbacks run after the change, row index, guard).
 _Compiled = tuple[Any, tuple[Callback, ...], int, Guard | None]
 
 
-class LifecycleMachine(Generic[S, E, T]):
+class LifecycleMachine(Padded, Generic[S, E, T, D]):
     """The shared state machine of every tracker of one table.
 
     Args:
@@ -162,20 +177,22 @@ class LifecycleMachine(Generic[S, E, T]):
     run under that lock and must not fire events.
     """
 
-    fire: _Fire[T, E]
+    _defaulted = 2  # T and D have defaults (see `Padded`)
+
+    fire: _Fire[T, E, D]
     """Apply an event to a tracker: see `_FIRE_DOC` (the compiled hot path).
     """
 
     def __init__(
         self,
-        table: Table[S, E],
+        table: Table[S, E, D],
         *,
         strict: bool = False,
         thread_safe: bool = True,
         log_interval: float = 10.0,
         logger: logging.Logger = log,
     ) -> None:
-        self.table: Table[S, E] = table
+        self.table: Table[S, E, D] = table
         self.strict = strict
         self.thread_safe = thread_safe
         self.illegal_counts: Counter[tuple[S | None, E]] = Counter()
@@ -192,6 +209,11 @@ class LifecycleMachine(Generic[S, E, T]):
         self._rows: tuple[Row[S, E], ...] = table.rows
         self._counts: list[int] = [0] * len(table.rows)
         self._dispatch = self._compile()
+        self._always: dict[tuple[S, E], tuple[Callback, ...]] = {
+            (r.source, r.event): table.stale_callbacks(r.source, r.event)
+            for r in table.rows
+            if r.always
+        }
         self.fire = self._compiled_fire()
 
     def __repr__(self) -> str:
@@ -229,7 +251,7 @@ class LifecycleMachine(Generic[S, E, T]):
                 )
         return dispatch
 
-    def _compiled_fire(self) -> _Fire[T, E]:  # noqa: C901 - the hot path
+    def _compiled_fire(self) -> _Fire[T, E, D]:  # noqa: C901 - the hot path
         """`fire` as a closure over the dispatch: the hot path.
 
         Locals instead of attribute lookups, tuples instead of records.
@@ -243,19 +265,22 @@ class LifecycleMachine(Generic[S, E, T]):
         machine = self
 
         def fire_unlocked(  # noqa: C901 - one flat function is fastest
-            tracker: T, event: E, *, epoch: int | None = None
+            tracker: T,
+            event: E,
+            *,
+            epoch: int | None = None,
+            data: D | None = None,
         ) -> bool:
             state = tracker.state
             if epoch is not None and epoch != tracker.epoch:
-                stale(tracker, event, epoch)
-                return False
+                return stale(tracker, event, epoch, data)
             try:
                 dest, callbacks, index, guard = fast[event][state]
             except KeyError:
                 return illegal(tracker, event)
             if guard is not None:
                 try:
-                    allowed = guard(tracker)
+                    allowed = guard(tracker, data)
                 except Exception as exc:  # noqa: BLE001 - policy below
                     return failed(tracker, state, tracker.epoch, event, exc)
                 if not allowed:
@@ -265,7 +290,7 @@ class LifecycleMachine(Generic[S, E, T]):
                 tracker.state = dest
                 try:
                     for callback in callbacks:
-                        callback(tracker)
+                        callback(tracker, data)
                 except Exception as exc:  # noqa: BLE001 - policy below
                     return failed(tracker, state, before, event, exc)
             else:
@@ -278,10 +303,14 @@ class LifecycleMachine(Generic[S, E, T]):
             return True
 
         def fire_locked(
-            tracker: T, event: E, *, epoch: int | None = None
+            tracker: T,
+            event: E,
+            *,
+            epoch: int | None = None,
+            data: D | None = None,
         ) -> bool:
             with lock:
-                return fire_unlocked(tracker, event, epoch=epoch)
+                return fire_unlocked(tracker, event, epoch=epoch, data=data)
 
         chosen = fire_locked if self.thread_safe else fire_unlocked
         chosen.__doc__ = _FIRE_DOC
@@ -293,7 +322,7 @@ class LifecycleMachine(Generic[S, E, T]):
         """Whether `event` has a row for the tracker's state (guards aside)."""
         return tracker.state in self._dispatch[event]
 
-    def fire_stock(self, tracker: T, event: E) -> bool:
+    def fire_stock(self, tracker: T, event: E, data: D | None = None) -> bool:
         """Apply `event` through transitions' stock trigger path.
 
         Same table, same callbacks, same result as `fire` for callbacks
@@ -302,7 +331,8 @@ class LifecycleMachine(Generic[S, E, T]):
         and transitions logs its own warning.  The test oracle.
         """
         with self._lock:
-            return bool(self._tx.events[event_name(event)].trigger(tracker))
+            trigger = self._tx.events[event_name(event)].trigger
+            return bool(trigger(tracker, data=data))
 
     def stock_trigger(self, event: E) -> Callable[[T], bool]:
         """transitions' own trigger for `event`, unlocked (benchmarks)."""
@@ -360,7 +390,7 @@ class LifecycleMachine(Generic[S, E, T]):
         )
         return False
 
-    def _stale(self, tracker: T, event: E, epoch: int) -> None:
+    def _stale(self, tracker: T, event: E, epoch: int, data: D | None) -> bool:
         state: S = tracker.state
         self.stale_counts[(state, event)] += 1
         for observer in self._reject_observers:
@@ -376,6 +406,15 @@ class LifecycleMachine(Generic[S, E, T]):
                 "event": event_name(event),
             },
         )
+        always = self._always.get((state, event))
+        if always:
+            current = tracker.epoch
+            try:
+                for callback in always:
+                    callback(tracker, data)
+            except Exception as exc:  # noqa: BLE001 - the failure policy
+                self._failed(tracker, state, current, event, exc)
+        return False
 
     def _guarded(self, tracker: T, event: E) -> bool:
         self.guard_counts[(tracker.state, event)] += 1
@@ -477,7 +516,7 @@ def _stock_machine(table: Table[Any, Any]) -> Machine:
             "trigger": event_name(r.event),
             "source": r.source,
             "dest": r.dest,
-            "after": [_TxCallback(cb) for cb in r.after],
+            "after": [_TxCallback(cb) for cb in (*r.after, *r.always)],
             "conditions": [_TxGuard(r.guard)] if r.guard is not None else [],
         }
         for r in table.rows

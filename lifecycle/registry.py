@@ -11,17 +11,27 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic
 
+from lifecycle._generic import Padded
 from lifecycle.machine import LifecycleMachine
 from lifecycle.tracker import Tracker, check_tracker_class
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar
+
+    D = TypeVar("D", default=Any)
+else:
+    from typing import TypeVar
+
+    D = TypeVar("D")
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
 T = TypeVar("T", bound=Tracker[Any])
 
 
-class Registry(Generic[S, E, T]):
+class Registry(Padded, Generic[S, E, T, D]):
     """Live trackers by request id, all driven by one shared machine.
 
     Args:
@@ -38,7 +48,9 @@ class Registry(Generic[S, E, T]):
     __slots__ = ("_checked", "_factory", "_terminal", "_trackers", "machine")
 
     def __init__(
-        self, machine: LifecycleMachine[S, E, Any], factory: Callable[[str], T]
+        self,
+        machine: LifecycleMachine[S, E, Any, D],
+        factory: Callable[[str], T],
     ) -> None:
         self.machine = machine
         self._factory = factory
@@ -72,6 +84,7 @@ class Registry(Generic[S, E, T]):
         *,
         epoch: int | None = None,
         known: bool = True,
+        data: D | None = None,
     ) -> bool:
         """Fire `event` on the tracker of `req_id`; drop it if it ended.
 
@@ -79,6 +92,7 @@ class Registry(Generic[S, E, T]):
             req_id: The request id.
             event: The event.
             epoch: The epoch of the transfer job reporting, if any.
+            data: Passed to the guards and callbacks the event runs.
             known: Whether the caller expects the id to be tracked.  An
                 unknown id is then an illegal ordering (policy applies);
                 with False it is silently ignored (e.g. a save completing
@@ -90,16 +104,21 @@ class Registry(Generic[S, E, T]):
         tracker = self._trackers.get(req_id)
         if tracker is None:
             return self.machine.unknown(req_id, event) if known else False
-        return self.fire_on(tracker, event, epoch=epoch)
+        return self.fire_on(tracker, event, epoch=epoch, data=data)
 
     def fire_on(
-        self, tracker: T, event: E, *, epoch: int | None = None
+        self,
+        tracker: T,
+        event: E,
+        *,
+        epoch: int | None = None,
+        data: D | None = None,
     ) -> bool:
         """Fire `event` on `tracker`; drop it from the registry if it ended.
 
         "Ended" means a state in the table's ``terminal`` set.
         """
-        applied = self.machine.fire(tracker, event, epoch=epoch)
+        applied = self.machine.fire(tracker, event, epoch=epoch, data=data)
         if applied and tracker.state in self._terminal:
             self._trackers.pop(tracker.req_id, None)
         return applied

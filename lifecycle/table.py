@@ -40,8 +40,12 @@ Rules
   never by a property of the enum.
 * ``total_events`` must be accepted by every non-terminal state.
 * Rows hold their callbacks as callables (``after=``), plus an optional
-  ``guard``; states may have enter hooks (``on_enter=``).  Callbacks only
-  touch the tracker; they never fire events.
+  ``guard``; states may have enter hooks (``on_enter=``).  Every callback
+  and guard is called ``(tracker, data)``: ``data`` is what the caller
+  passed as ``fire(..., data=)`` (None by default), typed by the table's
+  third parameter ``D``.  ``always=`` names callbacks that also run for a
+  stale completion.  Callbacks only touch the tracker (and their data);
+  they never fire events.
 
 Building a `Table` validates it and reports every defect at once in one
 `InvalidTable`.
@@ -51,24 +55,37 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import inspect
 import json
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic
 
 import attrs
 
+from lifecycle._generic import Padded
 from lifecycle.errors import InvalidTable, TableProblem
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar
+else:
+    from typing import TypeVar
 
 S = TypeVar("S", bound=enum.Enum)
 """The state enum of a table."""
 E = TypeVar("E", bound=enum.Enum)
 """The event enum of a table."""
+if TYPE_CHECKING:
+    D = TypeVar("D", default=Any)
+else:
+    D = TypeVar("D")
+"""The event data a table's callbacks receive (``fire(..., data=)``)."""
 
-Callback = Callable[[Any], object]
-"""A row or enter callback: takes the tracker, returns nothing useful."""
-Guard = Callable[[Any], bool]
-"""A row guard: takes the tracker, says whether the row may apply."""
+Callback = Callable[[Any, Any], object]
+"""A row or enter callback: takes the tracker and the event's data."""
+Guard = Callable[[Any, Any], bool]
+"""A row guard: takes the tracker and the event's data, says whether the
+row may apply."""
 
 
 def event_name(event: enum.Enum) -> str:
@@ -86,7 +103,7 @@ def callback_name(callback: object) -> str:
 
 
 @attrs.frozen
-class Row(Generic[S, E]):
+class Row(Padded, Generic[S, E, D]):
     """One legal transition: `event` in `source` moves to `dest`.
 
     Attributes:
@@ -94,11 +111,18 @@ class Row(Generic[S, E]):
         event: The event.
         dest: The state after the event (may equal `source`).
         after: Callables run after the state change, in order, each with
-            the tracker.  If one raises, the event is refused (see
-            `LifecycleMachine`).
-        guard: Optional predicate on the tracker; when it returns False
-            the event is refused without a state change (counted in
-            `LifecycleMachine.guard_counts`, not an illegal ordering).
+            the tracker and the event's data (``fire(..., data=)``, None
+            when the caller gives none).  If one raises, the event is
+            refused (see `LifecycleMachine`).
+        guard: Optional predicate on the tracker and the event's data;
+            when it returns False the event is refused without a state
+            change (counted in `LifecycleMachine.guard_counts`, not an
+            illegal ordering).
+        always: Callables that run after `after` when the row applies,
+            and also, alone and without a state change, when the event
+            arrives *stale* (an older epoch) while the tracker is in
+            `source`: work that must happen whatever the epoch, such as
+            releasing what the completing job held.
 
     Rows compare and hash by (source, event, dest) only.
     """
@@ -106,8 +130,15 @@ class Row(Generic[S, E]):
     source: S
     event: E
     dest: S
-    after: tuple[Callback, ...] = attrs.field(default=(), eq=False)
-    guard: Guard | None = attrs.field(default=None, eq=False)
+    after: tuple[Callable[[Any, D], object], ...] = attrs.field(
+        default=(), eq=False
+    )
+    guard: Callable[[Any, D], bool] | None = attrs.field(
+        default=None, eq=False
+    )
+    always: tuple[Callable[[Any, D], object], ...] = attrs.field(
+        default=(), eq=False
+    )
 
     def __str__(self) -> str:
         return (
@@ -116,7 +147,7 @@ class Row(Generic[S, E]):
         )
 
 
-class Table(Generic[S, E]):
+class Table(Padded, Generic[S, E, D]):
     """A validated, frozen transition table over state enum ``S``.
 
     Args:
@@ -128,9 +159,10 @@ class Table(Generic[S, E]):
             the initial state's enum).
         events: Every event (default: every member of the rows' event
             enum).
-        on_enter: Per-state enter hooks: callables run, with the tracker,
-            on every row whose `dest` is that state (self-loops included,
-            as in `transitions`), before the row's `after` callbacks.
+        on_enter: Per-state enter hooks: callables run, with the tracker
+            and the event's data, on every row whose `dest` is that state
+            (self-loops included, as in `transitions`), before the row's
+            `after` callbacks.
         name: A short identifier: diagram file stem and trace label.
         title: The diagram title (default: `name`).
 
@@ -154,18 +186,19 @@ class Table(Generic[S, E]):
 
     def __init__(
         self,
-        rows: Iterable[Row[S, E]],
+        rows: Iterable[Row[S, E, D]],
         *,
         initial: S,
         terminal: Iterable[S],
         total_events: Iterable[E] = (),
         states: Iterable[S] | None = None,
         events: Iterable[E] | None = None,
-        on_enter: Mapping[S, Sequence[Callback]] | None = None,
+        on_enter: Mapping[S, Sequence[Callable[[Any, D], object]]]
+        | None = None,
         name: str = "lifecycle",
         title: str | None = None,
     ) -> None:
-        self.rows: tuple[Row[S, E], ...] = tuple(rows)
+        self.rows: tuple[Row[S, E, D], ...] = tuple(rows)
         self.initial: S = initial
         self.states: tuple[S, ...] = (
             tuple(type(initial)) if states is None else tuple(states)
@@ -176,7 +209,7 @@ class Table(Generic[S, E]):
         self.events: tuple[E, ...] = tuple(events)
         self.terminal: frozenset[S] = frozenset(terminal)
         self.total_events: tuple[E, ...] = tuple(total_events)
-        self.on_enter: dict[S, tuple[Callback, ...]] = {
+        self.on_enter: dict[S, tuple[Callable[[Any, D], object], ...]] = {
             s: tuple(cbs) for s, cbs in (on_enter or {}).items()
         }
         self.name = name
@@ -184,7 +217,7 @@ class Table(Generic[S, E]):
         problems = self._problems()
         if problems:
             raise InvalidTable(problems)
-        self._by_key: dict[tuple[S, E], Row[S, E]] = {
+        self._by_key: dict[tuple[S, E], Row[S, E, D]] = {
             (r.source, r.event): r for r in self.rows
         }
         self.fingerprint: str = self._fingerprint()
@@ -200,7 +233,7 @@ class Table(Generic[S, E]):
         """The state enum."""
         return type(self.initial)
 
-    def get(self, state: S, event: E) -> Row[S, E] | None:
+    def get(self, state: S, event: E) -> Row[S, E, D] | None:
         """The row for `event` in `state`, or None if it is illegal there."""
         return self._by_key.get((state, event))
 
@@ -213,11 +246,19 @@ class Table(Generic[S, E]):
         row = self._by_key.get((state, event))
         return None if row is None else row.dest
 
-    def callbacks(self, row: Row[S, E]) -> tuple[Callback, ...]:
-        """What applying `row` runs, in order: enter hooks, then `after`."""
-        return (*self.on_enter.get(row.dest, ()), *row.after)
+    def callbacks(self, row: Row[S, E, D]) -> tuple[Callback, ...]:
+        """What applying `row` runs: enter hooks, `after`, then `always`."""
+        return (*self.on_enter.get(row.dest, ()), *row.after, *row.always)
 
-    def without_callbacks(self) -> Table[S, E]:
+    def stale_callbacks(self, state: S, event: E) -> tuple[Callback, ...]:
+        """What a stale `event` runs in `state`: its rows' `always`."""
+        seen: list[Callback] = []
+        for row in self.rows:
+            if row.source is state and row.event is event:
+                seen.extend(cb for cb in row.always if cb not in seen)
+        return tuple(seen)
+
+    def without_callbacks(self) -> Table[S, E, D]:
         """This table's structure with no callbacks, guards or enter hooks.
 
         Same states, rows, fingerprint and name; for trace replay and
@@ -307,12 +348,11 @@ class Table(Generic[S, E]):
         )
         problems.extend(
             TableProblem(
-                "bad-callback",
-                f"enter hook {cb!r} of {s.name} is not callable",
+                "bad-callback", f"enter hook {cb!r} of {s.name} {why}"
             )
             for s, cbs in self.on_enter.items()
             for cb in cbs
-            if not callable(cb)
+            if (why := _callback_problem(cb))
         )
         events = set(self.events)
         problems.extend(
@@ -327,7 +367,7 @@ class Table(Generic[S, E]):
 
     def _row_problems(self, declared: set[S]) -> list[TableProblem]:
         problems = []
-        seen: dict[tuple[S, E], Row[S, E]] = {}
+        seen: dict[tuple[S, E], Row[S, E, D]] = {}
         events = set(self.events)
         for row in self.rows:
             unknown = [s for s in (row.source, row.dest) if s not in declared]
@@ -372,11 +412,11 @@ class Table(Generic[S, E]):
             problems.extend(
                 TableProblem(
                     "bad-callback",
-                    f"row `{row}` has a callback that is not callable: {cb!r}",
+                    f"row `{row}` has a callback {cb!r} that {why}",
                     (row,),
                 )
-                for cb in (*row.after, row.guard)
-                if cb is not None and not callable(cb)
+                for cb in (*row.after, *row.always, row.guard)
+                if cb is not None and (why := _callback_problem(cb))
             )
         for state in self.states:
             if state in self.terminal:
@@ -439,6 +479,22 @@ class Table(Generic[S, E]):
         for r in self.rows:
             pred[r.dest].add(r.source)
         return pred
+
+
+def _callback_problem(callback: object) -> str:
+    """Why `callback` cannot be called ``(tracker, data)`` (empty: it can)."""
+    if not callable(callback):
+        return "is not callable"
+    try:
+        inspect.signature(callback).bind(None, None)
+    except TypeError:
+        return (
+            "cannot be called with (tracker, data): callbacks and guards "
+            "take the event's data as a second argument"
+        )
+    except ValueError:  # no signature to inspect (some builtins): trust it
+        return ""
+    return ""
 
 
 def _by_name(state: enum.Enum) -> str:

@@ -16,6 +16,7 @@ import pytest
 
 from connector.config import (
     VLLM_UNIMPLEMENTED_KEYS,
+    IdentityConfig,
     LookupConfig,
     StoreConfig,
     TraceConfig,
@@ -82,6 +83,7 @@ def _rows(page: str, caption: str) -> list[list[str]]:
 
 
 def test_lifecycle_page_contains_the_rendered_diagrams(site) -> None:
+    from connector.scheduler.admission import LOOKUPS  # noqa: PLC0415
     from lifecycle.kv import TABLE  # noqa: PLC0415
     from lifecycle.pd import CONSUMER, PRODUCER  # noqa: PLC0415
 
@@ -93,11 +95,15 @@ def test_lifecycle_page_contains_the_rendered_diagrams(site) -> None:
     rows = _rows(page, "Every transition of lifecycle.kv:TABLE")
     assert len(rows) == len(TABLE.rows)
     svgs = re.findall(r"<svg\b.*?</svg>", page, re.DOTALL)
-    assert len(svgs) == 3  # the KV table and the P/D producer and consumer
-    for table, svg_text in zip((PRODUCER, CONSUMER), svgs[1:], strict=True):
+    # The KV table, the admission lookup, the P/D producer and consumer.
+    assert len(svgs) == 4
+    shown = (LOOKUPS, PRODUCER, CONSUMER)
+    for table, svg_text in zip(shown, svgs[1:], strict=True):
         for state in table.states:
             assert f"<title>{state.name}</title>" in svg_text
         assert table.title in svg_text
+    rows = _rows(page, "Every transition of connector.scheduler.admission")
+    assert len(rows) == len(LOOKUPS.rows)
 
 
 def test_configuration_reference_is_generated_from_the_fields(site) -> None:
@@ -131,8 +137,16 @@ def test_configuration_reference_is_generated_from_the_fields(site) -> None:
     assert [r[0] for r in lookup] == [
         "lookup_timeout_ms",
         "lookup_max_pending",
+        "failed_load_ttl_s",
     ]
-    for cls, table in ((TraceConfig, trace), (LookupConfig, lookup)):
+    assert lookup[2][1:3] == ["float", "15.0"]
+    identity = _rows(page, "connector.config.IdentityConfig")
+    assert [r[0] for r in identity] == ["weights_version"]
+    for cls, table in (
+        (TraceConfig, trace),
+        (LookupConfig, lookup),
+        (IdentityConfig, identity),
+    ):
         for row, field in zip(table, attrs.fields(cls), strict=True):
             doc = " ".join(_text(field.metadata["doc"]).split())
             assert row[3] == doc.replace("``", "")
@@ -145,10 +159,10 @@ def test_configuration_reference_is_generated_from_the_fields(site) -> None:
 
 def test_tensor_parallel_keys_are_documented(site) -> None:
     """The four TP keys: a generated table, each row its field's help."""
-    from connector.parallel import ParallelKVConfig  # noqa: PLC0415
+    from connector.config import ParallelKVConfig  # noqa: PLC0415
 
     page = (site / "configuration.html").read_text(encoding="utf-8")
-    rows = _rows(page, "connector.parallel.ParallelKVConfig")
+    rows = _rows(page, "connector.config.ParallelKVConfig")
     fields = attrs.fields(ParallelKVConfig)
     assert [r[0] for r in rows] == [f.name for f in fields]
     for row, field in zip(rows, fields, strict=True):

@@ -75,11 +75,11 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     from connector.config import (  # noqa: PLC0415
         IdentityConfig,
         LookupConfig,
+        ParallelKVConfig,
         StoreConfig,
         TraceConfig,
         parse_size,
     )
-    from connector.parallel import ParallelKVConfig  # noqa: PLC0415
 
     rows = _table(_section("Configuration reference"))
     expected: dict[str, object] = {

@@ -23,6 +23,8 @@ EXPECTED = {
     15: 'Argument 2 to "fire" of "Registry" has incompatible type "Event"; '
     'expected "JobEvent"',
     16: '"JobTracker" has no attribute "attemps"',
+    17: 'Argument "data" to "__call__" of "_Fire" has incompatible type '
+    '"str"; expected "int | None"',
 }
 
 

@@ -127,7 +127,8 @@ class TestUserTable:
         class Other(Tracker[JobState]):
             state: JobState = JobState.WAITING
 
-        def release(tracker: Other) -> None:  # the user table has one too
+        # The user table has a `release` too.
+        def release(tracker: Other, _data: object = None) -> None:
             calls.append(tracker.req_id)
 
         other = Table(
@@ -150,10 +151,10 @@ class TestCallbackFailure:
 
     @staticmethod
     def _table(after: tuple[object, ...]) -> Table[JobState, JobEvent]:
-        def bump(tracker: Tracker[JobState]) -> None:
+        def bump(tracker: Tracker[JobState], _data: object = None) -> None:
             tracker.epoch += 1
 
-        def boom(tracker: Tracker[JobState]) -> None:
+        def boom(tracker: Tracker[JobState], _data: object = None) -> None:
             msg = f"boom for {tracker.req_id}"
             raise RuntimeError(msg)
 

@@ -15,9 +15,12 @@ Once the package is installed, vLLM finds it by name (the
 Without the installed entry point, add
 ``kv_connector_module_path="connector.integration.vllm_connector"``.
 
-This module is the role facade: every hook is a one-line delegation to
-`connector.scheduler.side.SchedulerSide` or `connector.worker.side.WorkerSide`,
-which hold no vLLM import.  Importing it imports vLLM.
+This module is the role facade: it builds the two halves from vLLM's
+config (key schemes: `connector.integration.layout`; the admission
+lookup: `connector.scheduler.store_lookup`) and every hook is a one-line
+delegation to `connector.scheduler.side.SchedulerSide` or
+`connector.worker.side.WorkerSide`, which hold no vLLM import.  Importing
+it imports vLLM.
 
 The connector declares vLLM's `SupportsHMA`: it runs with the hybrid KV
 cache manager, over full-attention and sliding-window KV cache groups
@@ -39,7 +42,6 @@ import os
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
-import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -55,12 +57,14 @@ from connector.config import (
     StoreConfig,
     TraceConfig,
 )
-from connector.errors import (
-    ConfigError,
-    ParallelRankError,
-    UnsupportedParallelism,
+from connector.errors import ConfigError
+from connector.groups import KVGroups
+from connector.integration.layout import (
+    Schemes,
+    key_layout,
+    pipeline_size,
+    tp_rank,
 )
-from connector.groups import KVGroups, Lane
 from connector.integration.stats import (
     LifecycleConnectorStats,
     LifecyclePromMetrics,
@@ -69,18 +73,16 @@ from connector.integration.stats import (
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
 from connector.parallel import ParallelKVConfig, TPPlan
 from connector.scheduler.failed_keys import FailedKeys
-from connector.scheduler.lookup import leading_hits
 from connector.scheduler.side import Role, SchedulerSide
+from connector.scheduler.store_lookup import StoreLookup
 from connector.store import Regions, StoreClient, clients
-from connector.store.keys import KeyLayout, KeyScheme
+from connector.worker.lanes import Lane
 from connector.worker.shards import group_lane
 from connector.worker.side import WorkerSide
 from connector.worker.transfer import KVLayout
 from lifecycle.trace import TraceError, TraceWriter
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         PromMetric,
@@ -117,79 +119,6 @@ class LifecycleWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
-@attrs.frozen
-class _StoreLookup:
-    """Asks the store how many leading blocks every TP shard holds.
-
-    With several KV cache groups (`groups`, one scheme per shard and
-    group, group-major), the hit is the longest prefix every group can
-    serve (`KVGroups.hit_blocks`).
-    """
-
-    client: Any
-    schemes: tuple[KeyScheme, ...]
-    groups: KVGroups | None = None
-
-    def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
-        return self.hit_blocks_many([block_hashes])[0]
-
-    def hit_blocks_many(
-        self, prefixes: Sequence[Sequence[bytes]]
-    ) -> list[int]:
-        """Every prefix's hit, over every shard and group, in one call.
-
-        Without hybrid groups a block shared by several prefixes is asked
-        for once.
-        """
-        if self.groups is not None and self.groups.hybrid:
-            hashes = [h for p in prefixes for h in p]
-            if not hashes:
-                return [0] * len(prefixes)
-            keys = [k for s in self.schemes for k in s.keys(hashes)]
-            flags = self.client.exists(keys).succeeded
-            sizes = [len(p) for p in prefixes]
-            return _hybrid_hits(flags, sizes, len(self.schemes), self.groups)
-        unique = list(dict.fromkeys(h for p in prefixes for h in p))
-        if not unique:
-            return [0] * len(prefixes)
-        keys = [k for s in self.schemes for k in s.keys(unique)]
-        codes = self.client.exists(keys).codes
-        return leading_hits(prefixes, unique, codes, len(self.schemes))
-
-
-def _hybrid_hits(
-    flags: Sequence[bool], sizes: Sequence[int], schemes: int, groups: KVGroups
-) -> list[int]:
-    """Per prefix, `KVGroups.hit_blocks` over group-major scheme flags."""
-    total = sum(sizes)
-    per_group = len(groups.groups)
-    shards = schemes // per_group
-    held = []  # per group: per hash, held by every shard
-    for g in range(per_group):
-        rows = [
-            flags[(g * shards + r) * total : (g * shards + r + 1) * total]
-            for r in range(shards)
-        ]
-        held.append([all(col) for col in zip(*rows, strict=True)])
-    hits, start = [], 0
-    for size in sizes:
-        hits.append(groups.hit_blocks([h[start : start + size] for h in held]))
-        start += size
-    return hits
-
-
-def _layout(kv_cache_config: Any, index: int = 0) -> KeyLayout:
-    group = kv_cache_config.kv_cache_groups[index]
-    spec = group.kv_cache_spec
-    layers = len(group.layer_names)
-    return KeyLayout(
-        dtype=str(spec.dtype).removeprefix("torch."),
-        block_tokens=spec.block_size,
-        block_bytes=spec.page_size_bytes * layers,
-        detail=f"{layers}layers",
-    )
-
-
 def _open_trace(
     trace: TraceConfig, scheduler: SchedulerSide | None
 ) -> TraceWriter | None:
@@ -204,49 +133,6 @@ def _open_trace(
         raise ConfigError(key, path, exc.reason) from exc
     writer.attach(scheduler.machine)
     return writer
-
-
-def _tp_rank(tp_size: int) -> int:
-    """This worker's tensor-parallel rank, as vLLM's TP group says.
-
-    Raises:
-        ParallelRankError: vLLM has no TP group in this process, or its
-            rank is not below `tp_size` (guessing 0 would make every rank
-            read and write rank 0's keys).
-    """
-    what = "tensor-parallel rank"
-    try:
-        from vllm.distributed import (  # noqa: PLC0415 - needs a worker
-            get_tensor_model_parallel_rank,
-        )
-
-        rank = int(get_tensor_model_parallel_rank())
-    except Exception as exc:
-        reason = f"vLLM answered {type(exc).__name__}: {exc}"
-        raise ParallelRankError(what, tp_size, reason) from exc
-    if not 0 <= rank < tp_size:
-        reason = f"vLLM answered rank {rank}"
-        raise ParallelRankError(what, tp_size, reason)
-    return rank
-
-
-def _check_parallelism(parallel: Any) -> int:
-    """The pipeline-parallel size, refused unless 1.
-
-    Raises:
-        UnsupportedParallelism: ``pipeline_parallel_size`` > 1.
-    """
-    pp_size = int(getattr(parallel, "pipeline_parallel_size", 1))
-    if pp_size != 1:
-        reason = (
-            "each pipeline stage holds the KV of its own layers, and the "
-            "scheduler half sees one stage's layout, so a lookup could not "
-            "tell whether every stage's blocks are stored; run with "
-            "pipeline_parallel_size=1 (tensor parallelism is supported)"
-        )
-        setting = "pipeline_parallel_size"
-        raise UnsupportedParallelism(setting, pp_size, reason)
-    return pp_size
 
 
 def _warn_failure_policy(transfer: Any) -> None:
@@ -293,47 +179,12 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         self._parallel = ParallelKVConfig.from_extra_config(extra)
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
-        pp_size = _check_parallelism(parallel)
+        pp_size = pipeline_size(parallel)
         model_config = vllm_config.model_config
         self._groups = KVGroups.from_kv_cache_config(kv_cache_config)
-        layouts = [
-            _layout(kv_cache_config, g.index) for g in self._groups.groups
-        ]
         self._weights_version = identity.weights_version
-
-        def scheme(
-            rank: int, group: int = 0, generation: str | None = None
-        ) -> KeyScheme:
-            return KeyScheme(
-                namespace=self._store_config.namespace,
-                model=str(model_config.model),
-                revision=str(getattr(model_config, "revision", None) or ""),
-                generation=(
-                    identity.weights_version
-                    if generation is None
-                    else generation
-                ),
-                tp_rank=rank,
-                tp_size=tp_size,
-                pp_rank=0,
-                pp_size=pp_size,
-                layout=layouts[group],
-                kv_group=group,
-            )
-
-        def lookup_schemes(generation: str | None) -> tuple[KeyScheme, ...]:
-            """Every distinct key of every rank and group (group-major)."""
-            return tuple(
-                s
-                for g in self._groups.groups
-                for s in self._plan.schemes(
-                    scheme(0, g.index, generation), ranks=range(tp_size)
-                )
-            )
-
-        self._lookup_schemes = lookup_schemes
         worker = role != KVConnectorRole.SCHEDULER
-        rank = _tp_rank(tp_size) if worker and tp_size > 1 else 0
+        rank = tp_rank(tp_size) if worker and tp_size > 1 else 0
         self._plan = TPPlan.of_vllm(vllm_config, rank, self._parallel)
         if self._parallel.shared_tp is not None and not self._plan.shared:
             log.info(
@@ -344,8 +195,21 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         if self._plan.shared and self._groups.hybrid:
             key, why = "store_tp_size", "the head-sharded layout: one group"
             raise ConfigError(key, self._plan.store_tp, why)
-        self._keys = [scheme(rank, g.index) for g in self._groups.groups]
-        self._rank_schemes = [self._plan.schemes(k) for k in self._keys]
+        schemes = Schemes(
+            namespace=self._store_config.namespace,
+            model=str(model_config.model),
+            revision=str(getattr(model_config, "revision", None) or ""),
+            generation=identity.weights_version,
+            tp_size=tp_size,
+            pp_size=pp_size,
+            layouts=tuple(
+                key_layout(kv_cache_config, g.index)
+                for g in self._groups.groups
+            ),
+            plan=self._plan,
+        )
+        self._schemes = schemes
+        self._keys = schemes.of_rank(rank)
         if not worker:
             _warn_failure_policy(transfer)
         self._client: StoreClient | None = clients.acquire(
@@ -364,8 +228,8 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                     if hybrid
                     else vllm_config.cache_config.block_size,
                     role=Role(transfer.kv_role),
-                    lookup=_StoreLookup(
-                        self._client, lookup_schemes(None), self._groups
+                    lookup=StoreLookup(
+                        self._client, schemes.every_shard(), self._groups
                     ),
                     world_size=parallel.world_size,
                     lookup_timeout_s=lookups.timeout_ms / 1000,
@@ -491,8 +355,10 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         generation = f"{self._weights_version}+reset-{uuid.uuid4().hex}"
         self._scheduler.reset_generation(
             generation,
-            _StoreLookup(
-                self._client, self._lookup_schemes(generation), self._groups
+            StoreLookup(
+                self._client,
+                self._schemes.of_generation(generation).every_shard(),
+                self._groups,
             ),
         )
         log.info(
@@ -535,7 +401,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._worker = WorkerSide.for_kv_caches(
                 client,
-                self._rank_schemes[0][0],
+                self._schemes.shards(0)[0],
                 kv_caches,
                 self._num_blocks,
                 Regions,
@@ -576,7 +442,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 Regions,
                 register=client.register,
                 plan=self._plan,
-                schemes=self._rank_schemes[g],
+                keys=self._schemes.lane_keys(g),
                 block_bytes=self._keys[g].layout.block_bytes,
             )
             for g in range(len(self._groups.groups))

@@ -235,9 +235,10 @@ def save_range(
     once full and hashed, from the last saved one on.  `prompt`: prompt
     blocks are saved (a producer); `decode`: so are the blocks generated
     tokens fill (``save_decode_cache``; never a token only sampled, whose
-    KV is not computed yet).  Neither: nothing.
+    KV is not computed yet).  Neither, or the tracker's saves were
+    stopped (``saves_stopped``, a cache reset): nothing.
     """
-    if not (prompt or decode):
+    if not (prompt or decode) or getattr(tracker, "saves_stopped", False):
         return 0, 0
     bs, num_prompt = block_size, tracker.num_prompt_tokens
     limit = computed if decode else min(computed, num_prompt)
@@ -249,6 +250,8 @@ def save_range(
 
 
 def nothing_to_save(tracker: Any, block_size: int, *, decode: bool) -> bool:
-    """Prompt saved and decode blocks not saved: no save is left."""
+    """Prompt saved and decode blocks not saved, or saves stopped."""
+    if getattr(tracker, "saves_stopped", False):
+        return True
     saved = tracker.num_saved_tokens + block_size
     return not decode and saved > tracker.num_prompt_tokens

@@ -8,12 +8,12 @@ transfer each.  No vLLM import.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from connector.errors import ConfigError
-from connector.groups import Lane
+from connector.worker.lanes import Lane
 from connector.worker.transfer import (
     BlockStore,
     CopyWaits,
@@ -28,16 +28,42 @@ if TYPE_CHECKING:
 
     import torch
 
-    from connector.parallel import TPPlan
-    from connector.store.keys import KeyScheme
-
 __all__ = [
     "HeadSlice",
+    "ShardPlan",
     "Sharded",
     "group_lane",
     "head_pieces",
     "sharded_transfer",
 ]
+
+
+class ShardPlan(Protocol):
+    """What a rank's lanes read of its tensor-parallel plan.
+
+    `connector.parallel.TPPlan` is one; the worker side does not import
+    it (nor the store's keys), so it stays apart from the key layout.
+    """
+
+    @property
+    def shared(self) -> bool:
+        """Blocks are stored by head shard."""
+
+    @property
+    def writes(self) -> bool:
+        """This rank puts its KV."""
+
+    @property
+    def local_heads(self) -> int:
+        """KV heads in this rank's cache."""
+
+    @property
+    def shards_per_rank(self) -> int:
+        """Store objects per block this rank holds."""
+
+    @property
+    def store_tp(self) -> int | None:
+        """Head shards per stored block, or None (per rank)."""
 
 
 @attrs.frozen
@@ -146,7 +172,7 @@ def sharded_transfer(
     num_blocks: int,
     regions: Any,
     register: Register,
-    plan: TPPlan,
+    plan: ShardPlan,
 ) -> Sharded:
     """One transfer per head shard the rank holds, memory registered once.
 
@@ -179,31 +205,26 @@ def group_lane(
     regions: Any,
     *,
     register: Register,
-    plan: TPPlan,
-    schemes: Sequence[KeyScheme],
+    plan: ShardPlan,
+    keys: Any,
     block_bytes: int,
 ) -> Lane:
     """How one KV cache group's blocks move on this rank.
 
-    Head-sharded: one transfer per head shard the rank holds, keys
-    shard-major (`ShardKeys`).  Per rank: one transfer, the rank's scheme.
-    A replica rank's lane does not write.
+    Head-sharded: one transfer per head shard the rank holds, `keys`
+    shard-major (`connector.parallel.ShardKeys`).  Per rank: one transfer
+    and the rank's scheme.  A replica rank's lane does not write.
 
     Raises:
         ConfigError: (``store_tp_size``) the KV blocks are not head-major.
     """
-    from connector.parallel import ShardKeys  # noqa: PLC0415
-
     transfer: Transfer
-    keys: Any
     if plan.shared:
         transfer = sharded_transfer(
             kv_caches, num_blocks, regions, register, plan
         )
-        keys = ShardKeys(tuple(schemes))
     else:
         transfer = open_transfer(
             kv_caches, num_blocks, regions, register=register
         )
-        keys = schemes[0]
     return Lane(keys, transfer, block_bytes, writes=plan.writes)

@@ -117,7 +117,7 @@ README_CLASSES: Final = (
     "connector.config:TraceConfig",
     "connector.config:LookupConfig",
     "connector.config:IdentityConfig",
-    "connector.parallel:ParallelKVConfig",
+    "connector.config:ParallelKVConfig",
 )
 
 

@@ -14,3 +14,4 @@ machine.fire(tracker, Event.FINISH)  # another machine's event enum
 registry.fire("r", "finish")  # a bare string
 registry.fire("r", Event.ABORT)  # another enum, through the registry
 tracker.attemps += 1  # misspelled tracker field
+machine.fire(tracker, JobEvent.RECEIVED, data="many")  # wrong data type

@@ -11,7 +11,7 @@ registry = Registry(machine, JobTracker)
 tracker: JobTracker = registry.get_or_create("r")
 attempts: int = tracker.attempts
 applied: bool = registry.fire("r", JobEvent.ALLOC)
-machine.fire(tracker, JobEvent.RECEIVED, epoch=tracker.epoch)
+machine.fire(tracker, JobEvent.RECEIVED, epoch=tracker.epoch, data=64)
 state: JobState = tracker.state
 illegal: int = machine.illegal_counts[(JobState.WAITING, JobEvent.RETRY)]
 typed: LifecycleMachine[JobState, JobEvent, JobTracker] = LifecycleMachine(

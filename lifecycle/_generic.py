@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 
 class Padded:
-    """Mixin before ``Generic[...]``: trailing parameters default to Any.
+    """Mixin before ``Generic[...]``: trailing parameters get defaults.
 
-    ``_defaulted`` says how many trailing parameters have defaults.
+    ``_defaults`` are the run-time defaults of the trailing parameters
+    (Any unless a class says otherwise).
     """
 
     __slots__ = ()
-    _defaulted: ClassVar[int] = 1
+    _defaults: ClassVar[tuple[object, ...]] = (Any,)
 
     if not TYPE_CHECKING:
 
@@ -26,6 +27,6 @@ class Padded:
             if not isinstance(params, tuple):
                 params = (params,)
             missing = len(cls.__parameters__) - len(params)
-            if 0 < missing <= cls._defaulted:
-                params = (*params, *([Any] * missing))
+            if 0 < missing <= len(cls._defaults):
+                params = (*params, *cls._defaults[-missing:])
             return super().__class_getitem__(params)

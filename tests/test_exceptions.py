@@ -62,6 +62,8 @@ def _samples() -> dict[type[BaseException], BaseException]:
         ),
         lerr.IllegalTransition(State.NEW, Event.LOAD_DONE, "r1", 2),
         lerr.UnknownRequest(Event.FINISH, "r2"),
+        lerr.GuardRefused(State.SAVING, Event.FINISH, "r3", 1, (), "kv"),
+        lerr.ReentrantFire(Event.ABORT, "r4", "kv"),
         lerr.InvalidTable((problem,)),
         trace_writer.TraceError("traces/t.jsonl", "no such file"),
         trace_writer.TableMismatchError("traces/t.jsonl", "abc", "def"),

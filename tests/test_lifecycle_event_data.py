@@ -21,6 +21,7 @@ from lifecycle import (
     Tracker,
     define_tracker,
 )
+from lifecycle.testing import fire_stock
 from tests.user_lifecycle import TABLE, JobEvent, JobTracker
 
 
@@ -120,7 +121,7 @@ class TestEventData:
         machine: LifecycleMachine[St, Ev, Job] = LifecycleMachine(JOB_TABLE)
         fast, stock = Job("a"), Job("a")
         assert machine.fire(fast, Ev.START, data=7)
-        assert machine.fire_stock(stock, Ev.START, data=7)
+        assert fire_stock(machine, stock, Ev.START, data=7)
         assert (
             fast.seen
             == stock.seen
@@ -159,6 +160,16 @@ class TestAlwaysCallbacks:
         assert machine.stale_counts[(St.BUSY, Ev.STORED)] == 1
         assert job.held == 0  # but what it held is released
         assert job.seen[-1] == ("release", "old")
+
+    def test_always_runs_when_stale_in_a_state_without_that_row(self) -> None:
+        machine: LifecycleMachine[St, Ev, Job] = LifecycleMachine(JOB_TABLE)
+        job = Job("j")
+        machine.fire(job, Ev.START)
+        machine.fire(job, Ev.BUMP)
+        machine.fire(job, Ev.FINISH)  # DONE has no `stored` row
+        assert not machine.fire(job, Ev.STORED, epoch=0, data="late")
+        assert job.state is St.DONE
+        assert (job.held, job.seen[-1]) == (0, ("release", "late"))
 
     def test_plain_after_callbacks_do_not_run_when_stale(self) -> None:
         machine: LifecycleMachine[St, Ev, Job] = LifecycleMachine(JOB_TABLE)

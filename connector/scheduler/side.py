@@ -868,9 +868,9 @@ class SchedulerSide:
             tracker.pending_jobs.discard(job.job_id)
         if job.kind is JobKind.SAVE:
             event = Event.SAVE_DONE if ok else Event.SAVE_FAILED
-            self.registry.fire(job.req_id, event, epoch=job.epoch, known=False)
+            self.registry.fire_if_tracked(job.req_id, event, epoch=job.epoch)
             return False
         event = Event.LOAD_DONE if ok else Event.LOAD_FAILED
-        return self.registry.fire(
-            job.req_id, event, epoch=job.epoch, known=False, data=job.job_id
+        return self.registry.fire_if_tracked(
+            job.req_id, event, epoch=job.epoch, data=job.job_id
         )

@@ -205,7 +205,11 @@ class WorkerSide:
         self.moved: Counter[tuple[str, int, str]] = Counter()
         self._moved_lock = threading.Lock()
         self.machine: KVMachine = machine or LifecycleMachine(TABLE)
-        self.registry = Registry(self.machine, KVTracker)
+        # Epochs come from the scheduler's jobs (`_catch_up`): a reused id
+        # restarts at 0 here and catches up to the scheduler's epoch.
+        self.registry = Registry(
+            self.machine, KVTracker, continue_epochs=False
+        )
         # Held whenever the registry or a tracker is read or changed.
         self._lock = threading.RLock()
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
@@ -434,7 +438,7 @@ class WorkerSide:
                 if tracker is not None:
                     self._catch_up(tracker, epoch)
             for req_id in sorted(meta.finished):
-                self.registry.fire(req_id, Event.FINISH, known=False)
+                self.registry.fire_if_tracked(req_id, Event.FINISH)
             for job in meta.jobs:
                 if job.kind is JobKind.LOAD and self._accept(job):
                     if job.finished:  # its finish notice preceded the job

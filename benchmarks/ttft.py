@@ -29,6 +29,10 @@ with vLLM's prefix cache on (align mode), so the engine's prefix cache is
 reset before each ``hit`` and the hit still comes only through the
 connector (attention blocks and the state at the last checkpoint); the
 raw-transfer comparisons are skipped for it.
+
+``--tp 1,2`` adds a row per tensor-parallel size (``tp_rows``): the same
+cold and hit TTFT on an engine of that many ranks (vLLM's multiprocess
+executor, one worker process per rank, each loading its own KV shard).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from e2e.engine import (
     EngineSpec,
 )
 from e2e.make_model import HYBRIDS, SIZES, ensure_model
-from e2e.snapshots import only_snapshot, settle
+from e2e.snapshots import read_snapshots, settle
 from harness.extra_config import store_extra
 from harness.prompts import random_tokens
 
@@ -85,6 +89,7 @@ def _spec(
     *,
     mp: bool,
     size: str = SIZE,
+    tp: int = 1,
 ) -> EngineSpec:
     extra = store_extra(
         master,
@@ -109,18 +114,29 @@ def _spec(
         max_num_batched_tokens=max(4096, prompt_len + 16),  # one prefill
         num_gpu_blocks_override=4 * blocks,
         threads=threads,
-        multiprocessing=mp,
+        multiprocessing=mp or tp > 1,
         log_level=LOG_LEVEL,
+        tensor_parallel_size=tp,
     )
 
 
 def _load_counters(snapshots: Path) -> tuple[int, float]:
-    worker = only_snapshot(snapshots, "worker")
-    return worker["loaded_bytes"], worker["load_seconds"]
+    """Bytes loaded over every rank; the slowest rank's load seconds."""
+    workers = read_snapshots(snapshots, "worker")
+    return (
+        sum(w["loaded_bytes"] for w in workers),
+        max(w["load_seconds"] for w in workers),
+    )
 
 
 def measure_engine(
-    prompt_len: int, reps: int, threads: int, *, mp: bool, size: str = SIZE
+    prompt_len: int,
+    reps: int,
+    threads: int,
+    *,
+    mp: bool,
+    size: str = SIZE,
+    tp: int = 1,
 ) -> dict[str, Any]:
     """Cold and hit TTFT on one engine; the hits' load bandwidth."""
     runs: list[dict[str, Any]] = []
@@ -129,7 +145,9 @@ def measure_engine(
         tempfile.TemporaryDirectory() as tmp,
     ):
         snapshots = Path(tmp)
-        spec = _spec(master, snapshots, prompt_len, threads, mp=mp, size=size)
+        spec = _spec(
+            master, snapshots, prompt_len, threads, mp=mp, size=size, tp=tp
+        )
         with EngineProcess(spec) as engine:
             info = dict(engine.info)
             # rep -1 warms the kernels up and is not reported.
@@ -156,12 +174,31 @@ def measure_engine(
                     }
                 )
             snap = settle(engine, snapshots)
-        worker = only_snapshot(snapshots, "worker")
+        workers = read_snapshots(snapshots, "worker")
     return {
         "engine": info,
         "runs": runs,
-        "block_bytes": worker["block_bytes"],
+        "block_bytes": sum(w["block_bytes"] for w in workers),
         "illegal": snap["illegal"],
+    }
+
+
+def tp_row(prompt_len: int, reps: int, threads: int, tp: int) -> Any:
+    """Cold and hit TTFT on an engine of `tp` ranks."""
+    engine = measure_engine(prompt_len, reps, threads, mp=True, tp=tp)
+    runs = engine["runs"]
+    return {
+        "tp": tp,
+        "engine_start_s": round(engine["engine"]["start_s"], 2),
+        "cold_ttft_median_s": statistics.median(r["cold_s"] for r in runs),
+        "hit_ttft_median_s": statistics.median(r["hit_s"] for r in runs),
+        "ttft_ratio": round(
+            statistics.median(r["cold_s"] / r["hit_s"] for r in runs), 2
+        ),
+        "hit_tokens": runs[0]["hit_tokens"],
+        "all_same_tokens": all(r["same_tokens"] for r in runs),
+        "block_bytes_all_ranks": engine["block_bytes"],
+        "illegal": engine["illegal"],
     }
 
 
@@ -298,6 +335,7 @@ def run(
     *,
     mp: bool,
     size: str = SIZE,
+    tp_sizes: tuple[int, ...] = (),
 ) -> Any:
     """The whole benchmark; returns the JSON document."""
     started = time.monotonic()
@@ -356,6 +394,7 @@ def run(
         "load_goal": LOAD_GOAL,
         "meets_goals": ttft_ratio >= TTFT_GOAL and load_ratio >= LOAD_GOAL,
         "illegal": engine["illegal"],
+        "tp_rows": [tp_row(prompt_len, reps, threads, tp) for tp in tp_sizes],
         "elapsed_s": round(time.monotonic() - started, 1),
     }
 
@@ -408,8 +447,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", choices=[SIZE, *HYBRIDS], default=SIZE, help="model"
     )
+    parser.add_argument(
+        "--tp",
+        default="",
+        help="tensor-parallel sizes of extra rows, e.g. 1,2 (tp_rows)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    tp_sizes = tuple(int(t) for t in args.tp.split(",") if t.strip())
     doc = run(
         args.prompt_len,
         args.reps,
@@ -417,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         args.threads,
         mp=args.mp,
         size=args.model,
+        tp_sizes=tp_sizes,
     )
     if args.json or args.model in HYBRIDS:
         sys.stdout.write(json.dumps(doc) + "\n")

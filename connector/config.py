@@ -70,6 +70,7 @@ __all__ = [
     "LoadConfig",
     "LookupConfig",
     "MiB",
+    "ParallelKVConfig",
     "StoreConfig",
     "TraceConfig",
     "parse_size",
@@ -91,10 +92,6 @@ VLLM_UNIMPLEMENTED_KEYS: Final = frozenset(
         "discard_partial_chunks",
         "enable_cross_layers_blocks",
         "enable_lookup",
-        "save_decode_cache",
-        "store_tp_size",
-        "enable_store_tp_lcm",
-        "prefill_tp_sizes",
         "enable_group_semantics",
         "custom_mem_pool",
     }
@@ -617,12 +614,132 @@ class LoadConfig:
         return _read_keys(cls, extra)
 
 
+def _coerce_bool(key: str, value: object) -> bool:
+    """A JSON boolean (``true``/``false``); no truthy strings."""
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "expected true or false")
+    return value
+
+
+def _coerce_store_tp(key: str, value: object) -> int | None:
+    """A positive int, or null (no shared layout)."""
+    if value is None:
+        return None
+    number = coerce_int(key, value)
+    if number <= 0:
+        raise ConfigError(key, value, "must be positive")
+    return number
+
+
+def _coerce_tp_sizes(key: str, value: object) -> tuple[int, ...]:
+    """A list of positive ints; null is empty."""
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        raise ConfigError(key, value, "expected a list of positive integers")
+    for size in value:
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            reason = "expected a list of positive integers"
+            raise ConfigError(key, value, reason)
+    return tuple(value)
+
+
+@attrs.frozen
+class ParallelKVConfig:
+    """How tensor-parallel ranks lay KV out in the store, and what is saved.
+
+    Read from ``kv_connector_extra_config``: one key per field, spelled as
+    vLLM's own ``MooncakeStoreConnector`` spells them.
+    """
+
+    store_tp_size: int | None = attrs.field(
+        default=None,
+        validator=of_type(int, type(None)),
+        metadata=key_help(
+            "Store KV by KV-head shard: every block is stored as this many "
+            "objects, one per slice of ``num_kv_heads / store_tp_size`` "
+            "heads, so instances of any TP size dividing it (producers and "
+            "consumers alike) share prefixes. Must divide the model's KV "
+            "head count and be a multiple of the instance's TP size; "
+            "``null`` keeps one object per rank (only equal TP sizes "
+            "share).",
+            _coerce_store_tp,
+        ),
+    )
+    enable_store_tp_lcm: bool = attrs.field(
+        default=False,
+        validator=attrs.validators.instance_of(bool),
+        metadata=key_help(
+            "Take ``store_tp_size`` as the least common multiple of "
+            "``prefill_tp_sizes`` (overrides ``store_tp_size``).",
+            _coerce_bool,
+        ),
+    )
+    prefill_tp_sizes: tuple[int, ...] = attrs.field(
+        default=(),
+        validator=of_type(tuple),
+        metadata=key_help(
+            "The TP sizes of the instances that save (e.g. ``[1, 2]``), "
+            "read with ``enable_store_tp_lcm``.",
+            _coerce_tp_sizes,
+        ),
+    )
+    save_decode_cache: bool = attrs.field(
+        default=False,
+        validator=attrs.validators.instance_of(bool),
+        metadata=key_help(
+            "Also save the KV of generated tokens, block by block as each "
+            "block fills, so a conversation's next turn (prompt, answer, "
+            "new message) hits the answer's blocks. Off: only prompt "
+            "blocks are saved.",
+            _coerce_bool,
+        ),
+    )
+
+    @property
+    def shared_tp(self) -> int | None:
+        """The store's TP size (head shards per block), None: per rank.
+
+        Raises:
+            ConfigError: ``enable_store_tp_lcm`` without
+                ``prefill_tp_sizes``.
+        """
+        if self.enable_store_tp_lcm:
+            if not self.prefill_tp_sizes:
+                key, reason = (
+                    "prefill_tp_sizes",
+                    ("enable_store_tp_lcm needs the prefill TP sizes"),
+                )
+                raise ConfigError(key, self.prefill_tp_sizes, reason)
+            return math.lcm(*self.prefill_tp_sizes)
+        return self.store_tp_size
+
+    @classmethod
+    def from_extra_config(
+        cls, extra: Mapping[str, object]
+    ) -> ParallelKVConfig:
+        """Read the four keys (defaults when absent).
+
+        Raises:
+            ConfigError: naming the key of a bad value.
+        """
+        config = _read_keys(cls, extra)
+        config.shared_tp  # noqa: B018 - validates the LCM inputs
+        return config
+
+
 # The connector's own keys of kv_connector_extra_config (not the store's),
 # and the vLLM connector's keys it accepts without implementing them.
 CONNECTOR_KEYS: Final = (
     frozenset(
         config_key(f)
-        for c in (TraceConfig, LookupConfig, IdentityConfig, LoadConfig)
+        for c in (
+            TraceConfig,
+            LookupConfig,
+            IdentityConfig,
+            LoadConfig,
+            ParallelKVConfig,
+        )
         for f in attrs.fields(c)
     )
     | {"mooncake_config_path"}

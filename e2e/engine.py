@@ -74,6 +74,8 @@ class EngineSpec:
     log_level: str = "WARNING"
     # Torch/OpenMP threads of the model runner (OMP_NUM_THREADS).
     threads: int = 1
+    # Tensor-parallel ranks: one worker process each (vLLM's mp executor).
+    tensor_parallel_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +140,10 @@ def build_llm(spec: EngineSpec) -> LLM:
         num_gpu_blocks_override=spec.num_gpu_blocks_override,
         seed=spec.seed,
         kv_transfer_config=kv_transfer_config,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        distributed_executor_backend=(
+            "mp" if spec.tensor_parallel_size > 1 else None
+        ),
     )
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -46,6 +47,22 @@ if TYPE_CHECKING:
 
 SNAPSHOT_DIR_KEY = "e2e_snapshot_dir"
 CORRUPT_LOADS_KEY = "e2e_corrupt_loads"
+DIGESTS_KEY = "e2e_digests"
+
+
+def _region_bytes(regions: Regions, index: int) -> bytes:
+    """The bytes of one key's region (all its pieces, in order)."""
+    if regions.piece_ptrs is not None and regions.piece_sizes is not None:
+        pieces = list(
+            zip(
+                regions.piece_ptrs[index],
+                regions.piece_sizes[index],
+                strict=True,
+            )
+        )
+    else:
+        pieces = [(regions.ptrs[index], regions.sizes[index])]
+    return b"".join(ctypes.string_at(ptr, size) for ptr, size in pieces)
 
 
 class CountingStore:
@@ -55,11 +72,20 @@ class CountingStore:
     """
 
     def __init__(
-        self, inner: Any, dtype: torch.dtype, *, corrupt: bool
+        self,
+        inner: Any,
+        dtype: torch.dtype,
+        *,
+        corrupt: bool,
+        digests: bool = False,
     ) -> None:
         self._inner = inner
         self._dtype = dtype
         self._corrupt = corrupt
+        #: With `digests`: per key, the SHA-256 of the bytes put / got.
+        self.digests: dict[str, dict[str, str]] | None = (
+            {"put": {}, "got": {}} if digests else None
+        )
         self._gen = torch.Generator().manual_seed(0)
         self.loaded_blocks = 0
         self.loaded_bytes = 0
@@ -74,7 +100,18 @@ class CountingStore:
         """The inner put; counts the keys stored or already present."""
         result = self._inner.put(keys, regions)
         self.saved_blocks += sum(result.succeeded)
+        self._digest("put", keys, regions, result.succeeded)
         return result
+
+    def _digest(
+        self, kind: str, keys: Sequence[str], regions: Regions, flags: Any
+    ) -> None:
+        if self.digests is None:
+            return
+        for index, (key, ok) in enumerate(zip(keys, flags, strict=True)):
+            if ok:
+                data = _region_bytes(regions, index)
+                self.digests[kind][key] = hashlib.sha256(data).hexdigest()
 
     def get(self, keys: Sequence[str], regions: Regions) -> Any:
         """The inner get; counts (and, as asked, corrupts) blocks read."""
@@ -82,6 +119,7 @@ class CountingStore:
         result = self._inner.get(keys, regions)
         self.load_seconds += time.perf_counter() - started
         flags = result.succeeded
+        self._digest("got", keys, regions, flags)
         self.loaded_blocks += sum(flags)
         self.loaded_bytes += result.nbytes
         if self._corrupt:
@@ -119,6 +157,7 @@ class ObservedLifecycleConnector(MooncakeLifecycleConnector):
         directory = extra.get(SNAPSHOT_DIR_KEY)
         self._snapshot_dir = Path(directory) if directory else None
         self._corrupt = bool(extra.get(CORRUPT_LOADS_KEY, False))
+        self._digests = bool(extra.get(DIGESTS_KEY, False))
         self._pool: Any = None
         self._terminal: dict[str, str] = {}
         self._at_finish: dict[str, Any] = {}
@@ -214,6 +253,7 @@ class ObservedLifecycleConnector(MooncakeLifecycleConnector):
             worker._store,  # noqa: SLF001
             dtype,
             corrupt=self._corrupt,
+            digests=self._digests,
         )
         worker._store = self._counting  # noqa: SLF001
         layout = worker.layout
@@ -269,5 +309,6 @@ class ObservedLifecycleConnector(MooncakeLifecycleConnector):
             "load_seconds": counting.load_seconds if counting else 0.0,
             "saved_blocks": counting.saved_blocks if counting else 0,
             "corrupted_blocks": counting.corrupted_blocks if counting else 0,
+            "digests": counting.digests if counting else None,
         }
         write_json(self._snapshot_dir / f"worker-{os.getpid()}.json", payload)

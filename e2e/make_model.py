@@ -72,6 +72,16 @@ SIZES: dict[str, ModelSpec] = {
         num_key_value_heads=2,
         max_position_embeddings=512,
     ),
+    # The tiny model with one KV head: every TP rank holds the same KV.
+    "tiny-mqa": ModelSpec(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+    ),
     # About 94M parameters: prefill compute dominates a 2048-token TTFT.
     "large": ModelSpec(
         vocab_size=512,

@@ -63,6 +63,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -99,6 +100,7 @@ _VOCAB_SIZE = 512
 _HASH_MOD = (1 << 61) - 1
 _VALUE_MOD = 65521  # values stay exact in float32
 _MAX_FAILURES_PER_CHECK = 5
+_TINY_KV_HEADS = 2
 
 
 HISTORY: Final = 1000  # preemptions and resumes kept for inspection
@@ -211,6 +213,29 @@ class _AttnMetadata:
 
 
 @dataclasses.dataclass
+class _HeadSlots:
+    """One head of a head-major KV tensor, indexed by slot.
+
+    ``[blocks, heads, block_size, width]``, read and written by slot
+    (``block * block_size + offset``) like the flat ``[slots, width]``
+    view of a one-head tensor.
+    """
+
+    kv: torch.Tensor
+    head: int
+
+    def _where(self, slots: torch.Tensor) -> tuple[Any, ...]:
+        bs = self.kv.shape[2]
+        return (slots // bs, self.head, slots % bs)
+
+    def __getitem__(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.kv[self._where(slots)]
+
+    def __setitem__(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self.kv[self._where(slots)] = values
+
+
+@dataclasses.dataclass
 class _WorkerRequest:
     """The model runner's cached state of one request."""
 
@@ -251,6 +276,16 @@ class Harness:
             for the connector's admission lookups (a connector with a
             `wait_for_lookups(timeout_s)` method), as the forward pass of
             a real engine would; None never waits (benchmarks).
+        tp_size: tensor-parallel ranks, each with its own WORKER-role
+            connector (built while vLLM's `get_tensor_model_parallel_rank`
+            answers its rank, as in a worker process) and KV tensors;
+            their outputs are folded by vLLM's own `KVOutputAggregator`.
+        kv_heads: the model's KV heads; each rank's KV tensors are then
+            head-major ``[num_blocks, local heads, block_size, kv_width]``
+            (``kv_heads / tp_size`` heads, or one head replicated on
+            ``tp_size / kv_heads`` ranks) and every head holds its own
+            values.  None: one head per block, ``[num_blocks, block_size,
+            kv_width]`` (``tp_size`` must be 1).
         model: the model folder vLLM is configured with (it must hold a
             `config.json` of `num_layers` layers, see `tiny_model_dir`);
             None: one temporary folder shared by this process's harnesses.
@@ -278,9 +313,15 @@ class Harness:
         check_every_step: bool = True,
         log_stats: bool = False,
         settle_lookups_s: float | None = 1.0,
+        tp_size: int = 1,
+        kv_heads: int | None = None,
         model: str | os.PathLike[str] | None = None,
         revision: str | None = None,
     ) -> None:
+        _check_tp(tp_size, kv_heads)
+        self.tp_size = tp_size
+        self.kv_heads = kv_heads
+        self._rank = 0
         if model_runner not in ("v1", "v2"):
             msg = f"model_runner must be 'v1' or 'v2', not {model_runner!r}"
             raise ValueError(msg)
@@ -390,12 +431,15 @@ class Harness:
             DeviceConfig,
             KVTransferConfig,
             ModelConfig,
+            ParallelConfig,
             SchedulerConfig,
             VllmConfig,
         )
 
         if model is None:
-            model = _tiny_model_dir(len(self.layer_names), max_model_len)
+            model = _model_dir(
+                len(self.layer_names), max_model_len, self.kv_heads
+            )
         model_config = ModelConfig(
             model=str(model),
             revision=revision,
@@ -429,6 +473,7 @@ class Harness:
             cache_config=cache_config,
             kv_transfer_config=kv_transfer_config,
             device_config=DeviceConfig("cpu"),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tp_size),
         )
         vllm_config.cache_config.num_gpu_blocks = self.num_blocks
         return vllm_config
@@ -444,7 +489,7 @@ class Harness:
 
         spec = FullAttentionSpec(
             block_size=self.block_size,
-            num_kv_heads=1,
+            num_kv_heads=self.local_heads,
             head_size=self.kv_width // 2,
             dtype=torch.float32,
         )
@@ -498,28 +543,75 @@ class Harness:
             KVConnectorRole,
         )
 
-        connector = KVConnectorFactory.create_connector(
-            config=self.vllm_config,
-            role=KVConnectorRole.WORKER,
-            kv_cache_config=self.kv_cache_config,
-        )
-        self.kv_caches = self._make_kv_caches()
-        connector.register_kv_caches(self.kv_caches)
-        return connector
+        #: Per rank: (its WORKER-role connector, its KV tensors).
+        self.ranks: list[tuple[KVConnectorBase_V1, dict[str, torch.Tensor]]]
+        self.ranks = []
+        for rank in range(self.tp_size):
+            config = self.vllm_config
+            if self.tp_size > 1:  # as vLLM's workers do, rank by rank
+                config = copy.copy(config)
+                config.parallel_config = copy.copy(config.parallel_config)
+                config.parallel_config.rank = rank
+            with _tp_rank_is(rank if self.tp_size > 1 else None):
+                connector = KVConnectorFactory.create_connector(
+                    config=config,
+                    role=KVConnectorRole.WORKER,
+                    kv_cache_config=self.kv_cache_config,
+                )
+                self._rank = rank
+                caches = self._make_kv_caches()
+                connector.register_kv_caches(caches)
+            self.ranks.append((connector, caches))
+        self._use_rank(0)
+        return self.ranks[0][0]
+
+    def _use_rank(self, rank: int) -> None:
+        """Play rank `rank`: its connector and KV tensors become current."""
+        self._rank = rank
+        self.worker_connector, self.kv_caches = self.ranks[rank]
+
+    @property
+    def local_heads(self) -> int:
+        """KV heads in one rank's cache."""
+        if self.kv_heads is None:
+            return 1
+        return max(self.kv_heads // self.tp_size, 1)
+
+    def rank_heads(self, rank: int) -> list[int]:
+        """The model's KV heads rank `rank` holds, in its cache's order."""
+        if self.kv_heads is None:
+            return [0]
+        if self.tp_size > self.kv_heads:  # replicated heads
+            return [rank // (self.tp_size // self.kv_heads)]
+        n = self.local_heads
+        return list(range(rank * n, (rank + 1) * n))
 
     def _make_kv_caches(self) -> dict[str, torch.Tensor]:
         """Each layer's KV cache, by layer name (one tensor per layer)."""
         import torch  # noqa: PLC0415
 
+        heads = () if self.kv_heads is None else (self.local_heads,)
         return {
             name: torch.zeros(
                 self.num_blocks,
+                *heads,
                 self.block_size,
                 self.kv_width,
                 dtype=torch.float32,
             )
             for name in self.layer_names
         }
+
+    def _head_views(self, name: str) -> list[tuple[int, Any]]:
+        """Per head of the current rank's layer `name`: (model head, view).
+
+        Each view is indexed by slot, as ``[slots, kv_width]``.
+        """
+        kv = self.kv_caches[name]
+        if self.kv_heads is None:
+            return [(0, kv.view(-1, self.kv_width))]
+        heads = self.rank_heads(self._rank)
+        return [(h, _HeadSlots(kv, i)) for i, h in enumerate(heads)]
 
     def _spy_on_scheduler_connector(self) -> None:
         """Count external hits as the scheduler hands them to the connector."""
@@ -753,9 +845,14 @@ class Harness:
             raise HarnessError(msg)
 
     def close(self) -> None:
-        """Shut both connector instances and the scheduler down."""
-        with contextlib.suppress(Exception):
-            self.worker_connector.shutdown()  # type: ignore[no-untyped-call]
+        """Shut every connector instance and the scheduler down."""
+        ranks = getattr(self, "ranks", None) or [
+            (getattr(self, "worker_connector", None), {})
+        ]
+        for connector, _ in ranks:
+            with contextlib.suppress(Exception):
+                if connector is not None:
+                    connector.shutdown()
         with contextlib.suppress(Exception):
             self.scheduler.shutdown()
 
@@ -768,7 +865,33 @@ class Harness:
     # ---------------------------------------------------------- the worker
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Play the model runner for one scheduled step."""
+        """Play the model runner for one scheduled step, on every rank."""
+        with self._vllm_call("model runner"):
+            positions = self._update_worker_states(scheduler_output)
+        if self.tp_size == 1:
+            return self._execute_rank(scheduler_output, positions)
+        from vllm.distributed.kv_transfer.kv_connector.utils import (  # noqa: PLC0415
+            KVOutputAggregator,
+        )
+
+        if not hasattr(self, "_aggregator"):
+            self._aggregator = KVOutputAggregator(self.tp_size)
+        outputs = []
+        for rank in range(self.tp_size):
+            self._use_rank(rank)
+            outputs.append(self._execute_rank(scheduler_output, positions))
+        self._use_rank(0)
+        with self._vllm_call("KVOutputAggregator"):
+            out = self._aggregator.aggregate(list(outputs))
+        if out is None:
+            msg = "KVOutputAggregator returned no output"
+            raise HarnessError(msg)
+        return out
+
+    def _execute_rank(
+        self, scheduler_output: SchedulerOutput, positions: dict[str, range]
+    ) -> ModelRunnerOutput:
+        """Play the current rank's model runner for one step."""
         from vllm.forward_context import (  # noqa: PLC0415
             ForwardContext,
             override_forward_context,
@@ -779,7 +902,6 @@ class Harness:
         )
 
         with self._vllm_call("model runner"):
-            positions = self._update_worker_states(scheduler_output)
             # A stand-in, not vLLM's AttentionMetadata.
             attn_metadata: Any = self._attn_metadata(positions)
             forward_context = ForwardContext(
@@ -985,20 +1107,22 @@ class Harness:
         connector = self.worker_connector
         for layer, name in enumerate(self.layer_names):
             connector.wait_for_layer_load(name)
-            kv = self.kv_caches[name].view(-1, self.kv_width)
-            for req_id, ps in positions.items():
-                if not ps:
-                    continue
-                hashes = self._hashes[req_id]
-                if ps.stop > len(hashes):
-                    self._fail(
-                        f"{req_id}: scheduled position {ps.stop - 1} but only "
-                        f"{len(hashes)} tokens exist"
+            for head, kv in self._head_views(name):
+                for req_id, ps in positions.items():
+                    if not ps:
+                        continue
+                    hashes = self._hashes[req_id]
+                    if ps.stop > len(hashes):
+                        self._fail(
+                            f"{req_id}: scheduled position {ps.stop - 1} but "
+                            f"only {len(hashes)} tokens exist"
+                        )
+                        continue
+                    kv[self._slots(req_id, ps)] = kv_values(
+                        hashes[ps.start : ps.stop],
+                        _head_layer(layer, head),
+                        self.kv_width,
                     )
-                    continue
-                kv[self._slots(req_id, ps)] = kv_values(
-                    hashes[ps.start : ps.stop], layer, self.kv_width
-                )
             connector.save_kv_layer(name, self.kv_caches[name], attn_metadata)
 
     def _sample(self, req_id: str, positions: range) -> list[int]:
@@ -1104,20 +1228,42 @@ class Harness:
             table_tensor = self._table_tensor(table)
             positions = self._positions(computed)
             slots = table_tensor[positions // bs] * bs + positions % bs
-            for layer, name in enumerate(self.layer_names):
-                actual = self.kv_caches[name].view(-1, self.kv_width)[slots]
-                expected = kv_values(hashes, layer, self.kv_width)
+            for rank, layer, name, head, kv in self._all_heads():
+                actual = kv[slots]
+                expected = kv_values(
+                    hashes, _head_layer(layer, head), self.kv_width
+                )
                 bad = (actual != expected).any(dim=1).nonzero()
                 if bad.numel() and reported < _MAX_FAILURES_PER_CHECK:
                     reported += 1
                     p = int(bad[0])
+                    where = f" (rank {rank}, head {head})" * (
+                        self.kv_heads is not None
+                    )
                     self._fail(
                         f"step {self.num_steps}: {req_id} "
                         f"({request.status.name}, {computed} computed) "
-                        f"holds wrong KV in {name} at "
+                        f"holds wrong KV in {name}{where} at "
                         f"{bad.numel()} position(s), first {p} (block "
                         f"{table[p // bs]})"
                     )
+
+    def _all_heads(
+        self,
+    ) -> Iterator[tuple[int, int, str, int, Any]]:
+        """(rank, layer, name, model head, slot view) over every rank."""
+        if self.tp_size == 1:  # also a subclass that builds no `ranks`
+            for layer, name in enumerate(self.layer_names):
+                for head, kv in self._head_views(name):
+                    yield 0, layer, name, head, kv
+            return
+        current = self._rank
+        for rank in range(self.tp_size):
+            self._use_rank(rank)
+            for layer, name in enumerate(self.layer_names):
+                for head, kv in self._head_views(name):
+                    yield rank, layer, name, head, kv
+        self._use_rank(current)
 
     @staticmethod
     def _table_tensor(table: Sequence[int]) -> torch.Tensor:
@@ -1178,6 +1324,69 @@ class Harness:
             )
 
 
+@contextlib.contextmanager
+def _tp_rank_is(rank: int | None) -> Iterator[None]:
+    """vLLM's `get_tensor_model_parallel_rank` answers `rank` (None: as is).
+
+    A worker process of a TP engine gets its rank from its TP process
+    group; the harness plays every rank in one process without one.
+    """
+    if rank is None:
+        yield
+        return
+    from vllm import distributed  # noqa: PLC0415
+
+    name = "get_tensor_model_parallel_rank"
+    original = getattr(distributed, name)
+    setattr(distributed, name, lambda: rank)
+    try:
+        yield
+    finally:
+        setattr(distributed, name, original)
+
+
+def _check_tp(tp_size: int, kv_heads: int | None) -> None:
+    if tp_size < 1 or (tp_size > 1 and kv_heads is None):
+        msg = f"tp_size {tp_size} needs kv_heads (and must be positive)"
+        raise ValueError(msg)
+    if kv_heads is not None and (
+        kv_heads < 1 or (kv_heads % tp_size and tp_size % kv_heads)
+    ):
+        msg = f"kv_heads {kv_heads} do not split over {tp_size} ranks"
+        raise ValueError(msg)
+
+
+def _head_layer(layer: int, head: int) -> int:
+    """The `kv_values` layer index of a head of a layer (head 0: layer)."""
+    return layer + 1_000 * head
+
+
+def _model_dir(
+    num_layers: int, max_model_len: int, kv_heads: int | None
+) -> Path:
+    """The tiny model (2 KV heads), or a sibling with `kv_heads` KV heads.
+
+    The sibling's folder name is fixed per process, so instances of one
+    process share keys.
+    """
+    base = _tiny_model_dir(num_layers, max_model_len)
+    if kv_heads is None or kv_heads == _TINY_KV_HEADS:
+        return base
+    return _heads_model_dir(base, kv_heads)
+
+
+@functools.cache
+def _heads_model_dir(base: Path, kv_heads: int) -> Path:
+    folder = base.parent / f"{base.name}-kvh{kv_heads}"
+    folder.mkdir(exist_ok=True)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    config = json.loads((base / "config.json").read_text())
+    config["num_key_value_heads"] = kv_heads
+    config["num_attention_heads"] = max(kv_heads, 4)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
 def tiny_model_dir(
     folder: Path, *, num_layers: int = 2, max_model_len: int = 1024
 ) -> Path:
@@ -1206,7 +1415,7 @@ def _tiny_model_dir(num_layers: int, max_model_len: int) -> Path:
         "hidden_size": 128,
         "intermediate_size": 256,
         "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": _TINY_KV_HEADS,
         "num_hidden_layers": num_layers,
         "vocab_size": _VOCAB_SIZE,
         "max_position_embeddings": max_model_len,

@@ -17,6 +17,7 @@ from connector.config import (
     LoadConfig,
     LookupConfig,
     MiB,
+    ParallelKVConfig,
     StoreConfig,
     TraceConfig,
     parse_size,
@@ -454,7 +455,13 @@ def test_connector_keys_derive_from_the_fields():
     path and the vLLM keys it accepts without implementing them."""
     own = {
         config_key(f)
-        for cls in (TraceConfig, LookupConfig, IdentityConfig, LoadConfig)
+        for cls in (
+            TraceConfig,
+            LookupConfig,
+            IdentityConfig,
+            LoadConfig,
+            ParallelKVConfig,
+        )
         for f in attrs.fields(cls)
     }
     assert own == {
@@ -466,7 +473,12 @@ def test_connector_keys_derive_from_the_fields():
         "weights_version",
         "transfer_timeout",
         "peer_probe_s",
+        "store_tp_size",
+        "enable_store_tp_lcm",
+        "prefill_tp_sizes",
+        "save_decode_cache",
     }
+    assert not own & VLLM_UNIMPLEMENTED_KEYS
     assert (
         own | {"mooncake_config_path"} | (VLLM_UNIMPLEMENTED_KEYS)
         == CONNECTOR_KEYS
@@ -482,3 +494,34 @@ def test_every_field_declares_help_text_and_a_coercion(cls):
     for field in attrs.fields(cls):
         assert len(field.metadata["doc"]) > 10, field.name
         assert callable(field.metadata["coerce"]), field.name
+
+
+def test_parallel_kv_keys_read_and_checked():
+    """The four TP keys: defaults, the LCM, and clear errors."""
+    default = ParallelKVConfig.from_extra_config({})
+    assert default.shared_tp is None
+    assert not default.save_decode_cache
+    assert (
+        ParallelKVConfig.from_extra_config({"store_tp_size": 4}).shared_tp == 4
+    )
+    lcm = ParallelKVConfig.from_extra_config(
+        {
+            "enable_store_tp_lcm": True,
+            "prefill_tp_sizes": [2, 3],
+            "store_tp_size": 8,
+        }
+    )
+    assert lcm.shared_tp == 6
+    bad = [
+        ({"store_tp_size": 0}, "store_tp_size"),
+        ({"store_tp_size": "2"}, "store_tp_size"),
+        ({"prefill_tp_sizes": [2, 0]}, "prefill_tp_sizes"),
+        ({"prefill_tp_sizes": 2}, "prefill_tp_sizes"),
+        ({"enable_store_tp_lcm": "yes"}, "enable_store_tp_lcm"),
+        ({"enable_store_tp_lcm": True}, "prefill_tp_sizes"),
+        ({"save_decode_cache": 1}, "save_decode_cache"),
+    ]
+    for extra, key in bad:
+        with pytest.raises(ConfigError) as err:
+            ParallelKVConfig.from_extra_config(extra)
+        assert err.value.key == key

@@ -157,6 +157,19 @@ def test_configuration_reference_is_generated_from_the_fields(site) -> None:
     ) == (sorted(VLLM_UNIMPLEMENTED_KEYS))
 
 
+def test_tensor_parallel_keys_are_documented(site) -> None:
+    """The four TP keys: a generated table, each row its field's help."""
+    from connector.config import ParallelKVConfig  # noqa: PLC0415
+
+    page = (site / "configuration.html").read_text(encoding="utf-8")
+    rows = _rows(page, "connector.config.ParallelKVConfig")
+    fields = attrs.fields(ParallelKVConfig)
+    assert [r[0] for r in rows] == [f.name for f in fields]
+    for row, field in zip(rows, fields, strict=True):
+        doc = " ".join(_text(field.metadata["doc"]).split())
+        assert row[3] == doc.replace("``", "")
+
+
 def test_api_reference_documents_the_public_names(site) -> None:
     page = _text((site / "api.html").read_text(encoding="utf-8"))
     for name in (

@@ -418,3 +418,48 @@ def test_a_reset_stops_saves_of_admitted_requests(clock, reset):
     step.num_scheduled_tokens = {"run": req.num_prompt_tokens}
     saves = side.build_connector_meta(step).jobs
     assert [len(j.block_ids) for j in saves] == ([] if reset else [4])
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_reset_stops_decode_saves_too(clock, reset):
+    """With ``save_decode_cache`` a request admitted before a reset saves
+    no generated block after it either (its KV came from the old
+    weights, and would be keyed under the new generation); control:
+    without the reset the block its answer filled is saved."""
+    side, lookup = make(clock, save_decode=True)
+    lookup.stored = 0
+    req = Req("run")
+
+    class Blocks:
+        @staticmethod
+        def get_block_ids():
+            return ([1, 2, 3, 4, 5],)
+
+    class New:
+        req_id = "run"
+        block_ids = ([1, 2, 3, 4, 5],)
+        num_computed_tokens = 0
+
+    side.get_num_new_matched_tokens(req, 0)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    side.update_state_after_alloc(req, Blocks(), 0)
+    step = Step()
+    step.scheduled_new_reqs = (New(),)
+    step.num_scheduled_tokens = {"run": req.num_prompt_tokens}
+    prompt = side.build_connector_meta(step).jobs
+    assert [len(j.block_ids) for j in prompt] == [4]
+    if reset:
+        side.reset_generation("g1", FakeLookup(stored=0))
+    req.block_hashes.append(b"\x09" * 8)  # the answer fills block 5
+
+    class Decoding(Cached):
+        req_ids = ("run",)
+        new_block_ids = (None,)
+        num_computed_tokens = (req.num_prompt_tokens,)
+
+    step = Step()
+    step.scheduled_cached_reqs = Decoding()
+    step.num_scheduled_tokens = {"run": 5 * BS - req.num_prompt_tokens}
+    saves = side.build_connector_meta(step).jobs
+    assert [len(j.block_ids) for j in saves] == ([] if reset else [1])

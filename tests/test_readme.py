@@ -76,6 +76,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
         IdentityConfig,
         LoadConfig,
         LookupConfig,
+        ParallelKVConfig,
         StoreConfig,
         TraceConfig,
         parse_size,
@@ -96,6 +97,8 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     loads = LoadConfig()
     expected["transfer_timeout"] = loads.transfer_timeout
     expected["peer_probe_s"] = loads.peer_probe_s
+    for field in attrs.fields(ParallelKVConfig):
+        expected[field.name] = field.default
     assert set(rows) == set(expected)
     for key, (default, meaning) in rows.items():
         assert meaning
@@ -107,6 +110,10 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
             assert want is None, key
         elif cell.startswith('"'):
             assert json.loads(cell) == want, key
+        elif cell in {"true", "false"}:
+            assert json.loads(cell) is want, key
+        elif cell.startswith("["):
+            assert tuple(json.loads(cell)) == want, key
         else:
             assert parse_size(key, cell) == want, key
 

@@ -1,7 +1,8 @@
 """What the facade reads off vLLM's config to build the halves' keys.
 
 - `key_layout`: one KV cache group's block shape as a store key sees it;
-- `Schemes`: the store key scheme of every (TP rank, KV cache group);
+- `Schemes`: the store key scheme of every (TP rank, KV cache group), and
+  through its `TPPlan` the keys of every KV shard or head shard;
 - `tp_rank`: this worker's tensor-parallel rank (an error, never a guess);
 - `pipeline_size`: vLLM's pipeline-parallel size, refused unless 1.
 
@@ -16,6 +17,7 @@ from typing import Any
 import attrs
 
 from connector.errors import ParallelRankError, UnsupportedParallelism
+from connector.parallel import ShardKeys, TPPlan
 from connector.store.keys import KeyLayout, KeyScheme
 
 __all__ = ["Schemes", "key_layout", "pipeline_size", "tp_rank"]
@@ -55,6 +57,9 @@ class Schemes:
         revision: The model revision (``""``: none configured).
         generation: The weights generation the keys name.
         pp_size: Pipeline-parallel stages.
+        plan: This rank's tensor-parallel plan: which KV shards or head
+            shards its objects are, who writes them (default: every rank
+            distinct, one object per rank).
     """
 
     namespace: str
@@ -64,6 +69,7 @@ class Schemes:
     revision: str = ""
     generation: str = ""
     pp_size: int = 1
+    plan: TPPlan | None = None
 
     def scheme(self, rank: int, group: int = 0) -> KeyScheme:
         """The keys TP rank `rank` writes for KV cache group `group`."""
@@ -88,12 +94,44 @@ class Schemes:
         """One rank's scheme per group, by group index."""
         return [self.scheme(rank, g) for g in range(len(self.layouts))]
 
+    def shards(self, group: int = 0) -> tuple[KeyScheme, ...]:
+        """The plan's rank's objects of group `group` (`TPPlan.schemes`).
+
+        One scheme per rank (its KV shard, shared with its replicas), or
+        one per head shard it holds (the head-sharded layout).
+        """
+        if self.plan is None:
+            return (self.scheme(0, group),)
+        return self.plan.schemes(self.scheme(self.plan.tp_rank, group))
+
+    def lane_keys(self, group: int = 0) -> KeyScheme | ShardKeys:
+        """The keys a worker lane of group `group` moves blocks under.
+
+        Head-sharded: every shard's, shard-major (`ShardKeys`); else the
+        rank's one scheme.
+        """
+        shards = self.shards(group)
+        if self.plan is not None and self.plan.shared:
+            return ShardKeys(shards)
+        return shards[0]
+
     def every_shard(self) -> tuple[KeyScheme, ...]:
-        """Every (group, rank) scheme, group-major: what a lookup asks."""
+        """Every distinct object's scheme, group-major: what a lookup asks.
+
+        Ranks holding identical KV share one scheme; with the head-sharded
+        layout, every head shard's.
+        """
+        if self.plan is None:
+            return tuple(
+                self.scheme(r, g)
+                for g in range(len(self.layouts))
+                for r in range(self.tp_size)
+            )
+        ranks = range(self.tp_size)
         return tuple(
-            self.scheme(r, g)
+            s
             for g in range(len(self.layouts))
-            for r in range(self.tp_size)
+            for s in self.plan.schemes(self.scheme(0, g), ranks=ranks)
         )
 
 

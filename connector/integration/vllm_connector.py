@@ -73,15 +73,17 @@ from connector.integration.stats import (
     StatsSource,
 )
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
+from connector.parallel import ParallelKVConfig, TPPlan
 from connector.scheduler.failed_keys import DEFAULT_TTL_S, FailedKeys
 from connector.scheduler.peers import FencedLookup, PeerFence
 from connector.scheduler.side import Role, SchedulerSide
 from connector.scheduler.store_lookup import StoreLookup
 from connector.store import Regions, StoreClient, clients
 from connector.worker.lanes import Lane
+from connector.worker.shards import group_lane
 from connector.worker.sick import SickPeerStore
 from connector.worker.side import WorkerSide
-from connector.worker.transfer import KVLayout, open_transfer
+from connector.worker.transfer import KVLayout
 from lifecycle.trace import TraceError, TraceWriter
 
 if TYPE_CHECKING:
@@ -183,12 +185,25 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         for name, value in self._loads.transport_env().items():
             os.environ.setdefault(name, value)  # an operator's value wins
         identity = IdentityConfig.from_extra_config(extra)
+        self._parallel = ParallelKVConfig.from_extra_config(extra)
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
         pp_size = pipeline_size(parallel)
         model_config = vllm_config.model_config
         self._groups = KVGroups.from_kv_cache_config(kv_cache_config)
         self._weights_version = identity.weights_version
+        worker = role != KVConnectorRole.SCHEDULER
+        rank = tp_rank(tp_size) if worker and tp_size > 1 else 0
+        self._plan = TPPlan.of_vllm(vllm_config, rank, self._parallel)
+        if self._parallel.shared_tp is not None and not self._plan.shared:
+            log.info(
+                "KV is identical on every TP rank (MLA or one KV head): "
+                "stored once per block, shared by every TP size; "
+                "store_tp_size is not needed"
+            )
+        if self._plan.shared and self._groups.hybrid:
+            key, why = "store_tp_size", "the head-sharded layout: one group"
+            raise ConfigError(key, self._plan.store_tp, why)
         schemes = Schemes(
             namespace=self._store_config.namespace,
             model=str(model_config.model),
@@ -200,10 +215,9 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 key_layout(kv_cache_config, g.index)
                 for g in self._groups.groups
             ),
+            plan=self._plan,
         )
         self._schemes = schemes
-        worker = role != KVConnectorRole.SCHEDULER
-        rank = tp_rank(tp_size) if worker and tp_size > 1 else 0
         self._keys = schemes.of_rank(rank)
         if not worker:
             _warn_failure_policy(transfer)
@@ -243,6 +257,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                     max_pending=lookups.max_pending,
                     failed_keys=FailedKeys(ttl_s, peers=fence),
                     groups=self._groups if hybrid else None,
+                    save_decode=self._parallel.save_decode_cache,
                 )
             self._trace = _open_trace(trace, self._scheduler)
         except BaseException:
@@ -396,11 +411,11 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         lanes = self._lanes(client, kv_caches)
         probe_s = self._loads.peer_probe_s
         store = SickPeerStore(client, hold_s=probe_s) if probe_s else client
-        if lanes:  # hybrid: one lane per KV cache group
+        if lanes:  # hybrid, head-sharded or replicated: lanes of their own
             first = {n: kv_caches[n] for n in self._group_layers(kv_caches, 0)}
             self._worker = WorkerSide(
                 store,
-                self._keys[0],
+                lanes[0].keys,
                 KVLayout.from_tensors(first, self._num_blocks),
                 Regions,
                 transfer=lanes[0].transfer,
@@ -410,7 +425,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._worker = WorkerSide.for_kv_caches(
                 store,
-                self._keys[0],
+                self._schemes.shards(0)[0],
                 kv_caches,
                 self._num_blocks,
                 Regions,
@@ -433,22 +448,31 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     def _lanes(
         self, client: StoreClient, kv_caches: dict[str, torch.Tensor]
     ) -> list[Lane]:
-        """Per group, its keys and a transfer over its layers (hybrid)."""
-        if not self._groups.hybrid:
+        """Per group, its keys and a transfer over its layers.
+
+        Empty for one group of distinct per-rank KV (the plain path).
+        Head-sharded: one transfer per head shard the rank holds, keys
+        shard-major.  A replica rank's lane does not write.
+
+        Raises:
+            ConfigError: ``store_tp_size`` over KV blocks that are not
+                head-major.
+        """
+        if self._plan.plain and not self._groups.hybrid:
             return []
-        lanes = []
-        for group in self._groups.groups:
-            layers = self._group_layers(kv_caches, group.index)
-            transfer = open_transfer(
-                {n: kv_caches[n] for n in layers},
+        return [
+            group_lane(
+                {n: kv_caches[n] for n in self._group_layers(kv_caches, g)},
                 self._num_blocks,
                 Regions,
                 register=client.register,
+                plan=self._plan,
+                keys=self._schemes.lane_keys(g),
+                block_bytes=self._keys[g].layout.block_bytes,
                 deadlines=self._loads.timeout_s is not None,
             )
-            keys = self._keys[group.index]
-            lanes.append(Lane(keys, transfer, keys.layout.block_bytes))
-        return lanes
+            for g in range(len(self._groups.groups))
+        ]
 
     def _meta(self) -> ConnectorMeta | None:
         bound = self._connector_metadata

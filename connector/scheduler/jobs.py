@@ -226,3 +226,34 @@ class JobTable:
         if open_job.pinned and self.pool is not None:
             self.pool.free_blocks(open_job.pinned)
         return open_job.job, open_job.failed == 0
+
+
+def save_range(
+    tracker: Any, computed: int, block_size: int, *, prompt: bool, decode: bool
+) -> tuple[int, int]:
+    """Blocks ``[first, last)`` of a request to save now (maybe empty).
+
+    `computed` tokens have their KV after this step; blocks are saved
+    once full and hashed, from the last saved one on.  `prompt`: prompt
+    blocks are saved (a producer); `decode`: so are the blocks generated
+    tokens fill (``save_decode_cache``; never a token only sampled, whose
+    KV is not computed yet).  Neither, or the tracker's saves were
+    stopped (``saves_stopped``, a cache reset): nothing.
+    """
+    if not (prompt or decode) or getattr(tracker, "saves_stopped", False):
+        return 0, 0
+    bs, num_prompt = block_size, tracker.num_prompt_tokens
+    limit = computed if decode else min(computed, num_prompt)
+    last = min(limit, len(tracker.block_hashes) * bs) // bs
+    first = tracker.num_saved_tokens // bs
+    if not prompt:  # a consumer keeps only what it generated
+        first = max(first, num_prompt // bs)
+    return first, last
+
+
+def nothing_to_save(tracker: Any, block_size: int, *, decode: bool) -> bool:
+    """Prompt saved and decode blocks not saved, or saves stopped."""
+    if getattr(tracker, "saves_stopped", False):
+        return True
+    saved = tracker.num_saved_tokens + block_size
+    return not decode and saved > tracker.num_prompt_tokens

@@ -40,13 +40,16 @@ class RequestTracker(KVTracker):
 
     Attributes:
         num_prompt_tokens: Prompt length; saves stop at the last full
-            prompt block (decode KV is not saved).
+            prompt block (unless decode KV is saved).
         num_local_tokens: vLLM's local prefix-cache hit at the lookup.
         block_hashes: vLLM's live list of the request's chained block
             hashes (grows as tokens are added).
         load_job: The open load job, or -1.
         load_failures: Failed loads; after one, the request recomputes
             instead of trusting the store again.
+        saves_stopped: A cache reset came after the request's admission:
+            its KV may come from the old weights, so none of its blocks
+            (prompt or decode) is saved again.
     """
 
     num_prompt_tokens: int = 0
@@ -54,6 +57,7 @@ class RequestTracker(KVTracker):
     block_hashes: list[bytes] = attrs.field(factory=list)
     load_job: int = -1
     load_failures: int = 0
+    saves_stopped: bool = False
 
 
 @attrs.frozen

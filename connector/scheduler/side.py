@@ -58,7 +58,13 @@ from connector.scheduler.admission import (
     LookupTracker,
 )
 from connector.scheduler.failed_keys import FailedKeys
-from connector.scheduler.jobs import BlockPool, JobTable, failed_hashes
+from connector.scheduler.jobs import (
+    BlockPool,
+    JobTable,
+    failed_hashes,
+    nothing_to_save,
+    save_range,
+)
 from connector.scheduler.lookup import (
     NO_LOOKUP,
     AsyncLookups,
@@ -141,6 +147,8 @@ class SchedulerSide:
             lookups stop short of them until the master forgets them.
         groups: The model's KV cache groups (default: one full-attention
             group of `block_size`).
+        save_decode: Also save generated tokens' blocks as they fill
+            (``save_decode_cache``); a consumer then saves those only.
         clock: Monotonic seconds for the lookups' deadlines and refreshes
             and the memory of recent misses (tests pass a fake).
         recent: Memory of recent misses and own saves (default: a fresh
@@ -160,6 +168,7 @@ class SchedulerSide:
         threaded_lookups: bool = True,
         failed_keys: FailedKeys | None = None,
         groups: KVGroups | None = None,
+        save_decode: bool = False,
         clock: Callable[[], float] = time.monotonic,
         recent: RecentBlocks | None = None,
     ) -> None:
@@ -168,6 +177,7 @@ class SchedulerSide:
             raise ValueError(msg)
         self.block_size = block_size
         self.role = role
+        self.save_decode = save_decode
         self.world_size = world_size
         self.groups = groups or KVGroups.single(block_size)
         self.machine: KVMachine = machine or LifecycleMachine(REQUESTS)
@@ -254,6 +264,7 @@ class SchedulerSide:
                 tracker.num_saved_tokens = max(
                     tracker.num_saved_tokens, tracker.num_prompt_tokens
                 )
+                tracker.saves_stopped = True  # decode blocks too
 
     # -- hooks ----------------------------------------------------------------
 
@@ -364,7 +375,7 @@ class SchedulerSide:
                 # A resume replaces the block table (vLLM #46595).
                 self.registry.fire_on(tracker, Event.RESUME)
                 self._set_tables(tracker, new_ids or ())
-            elif tracker.num_saved_tokens + bs > tracker.num_prompt_tokens:
+            elif nothing_to_save(tracker, bs, decode=self.save_decode):
                 # Prompt saved (decode): no save is left to issue, so the
                 # table is not needed until a resume replaces it.
                 continue
@@ -374,7 +385,7 @@ class SchedulerSide:
                     tracker.group_block_ids, new_ids[1:], strict=False
                 ):
                     table.extend(ids)
-            if tracker.num_saved_tokens + bs > tracker.num_prompt_tokens:
+            if nothing_to_save(tracker, bs, decode=self.save_decode):
                 continue  # prompt saved: `_maybe_save` would no-op
             done = computed + scheduled.get(req_id, 0)
             self._maybe_save(tracker, done, jobs)
@@ -837,18 +848,12 @@ class SchedulerSide:
     def _maybe_save(
         self, tracker: RequestTracker, computed: int, jobs: list[TransferJob]
     ) -> None:
-        if not self.role.saves or tracker.state is not State.SAVING:
+        if tracker.state is not State.SAVING:
             return
-        bs = self.block_size
-        last = (
-            min(
-                computed,
-                tracker.num_prompt_tokens,
-                len(tracker.block_hashes) * bs,
-            )
-            // bs
+        bs, decode = self.block_size, self.save_decode
+        first, last = save_range(
+            tracker, computed, bs, prompt=self.role.saves, decode=decode
         )
-        first = tracker.num_saved_tokens // bs
         if last <= first or last > len(tracker.block_ids):
             return
         if not self.registry.fire_on(

@@ -30,11 +30,15 @@ class Lane:
         keys: The group's store keys (its ``g<group>`` scheme).
         transfer: Moves the group's layers of a block.
         block_bytes: Bytes of one of the group's blocks (all its layers).
+        writes: Whether this rank puts the group's blocks.  False on a
+            rank whose KV another rank holds identically and writes (a
+            replica): its saves succeed without a put.
     """
 
     keys: Any
     transfer: Any
     block_bytes: int
+    writes: bool = True
 
 
 def move_blocks(
@@ -58,6 +62,10 @@ def move_blocks(
             positions.setdefault(group, []).append(pos)
     for group, where in positions.items():
         lane = lanes[group]
+        if job.kind is JobKind.SAVE and not lane.writes:
+            for pos in where:  # a replica: its writer puts these bytes
+                flags[pos] = True
+            continue
         keys = lane.keys.keys([job.block_hashes[p] for p in where])
         ids = [job.block_ids[p] for p in where]
         if job.kind is JobKind.LOAD:

@@ -592,8 +592,9 @@ class WorkerSide:
         kind = job.kind.value
         with self._moved_lock:
             for group, ok in zip(job.groups(), flags, strict=True):
-                if ok:
-                    size = self.lanes[group].block_bytes
+                lane = self.lanes[group]
+                if ok and (lane.writes or job.kind is JobKind.LOAD):
+                    size = lane.block_bytes
                     self.moved[(kind, group, "blocks")] += 1
                     self.moved[(kind, group, "bytes")] += size
 

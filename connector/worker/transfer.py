@@ -44,6 +44,8 @@ from connector.worker.deadline import Deadline, LoadStaging
 if TYPE_CHECKING:
     import torch
 
+    from connector.worker.shards import HeadSlice
+
 _KV_HALVES: Final = 2  # K and V, on K/V-first layouts
 DEFAULT_STAGING_BLOCKS: Final = 32
 """Blocks per staging buffer (one buffer for loads, one for saves)."""
@@ -600,8 +602,12 @@ def open_transfer(
     register: Register,
     staging_blocks: int | None = None,
     deadlines: bool = False,
+    heads: HeadSlice | None = None,
 ) -> Transfer:
     """The transfer for these KV caches, with its memory registered.
+
+    With `heads`, it moves that slice of every block's KV heads (one
+    object of the head-sharded store layout, `head_pieces`).
 
     CUDA caches are staged through pinned host memory (the non-CUDA
     Mooncake wheel cannot register device memory); host caches are
@@ -615,6 +621,10 @@ def open_transfer(
         ValueError: the KV tensors fit no known layout.
     """
     pieces = block_pieces(kv_caches, num_blocks)
+    if heads is not None:
+        from connector.worker.shards import head_pieces
+
+        pieces = head_pieces(pieces, heads)
     device = pieces[0].view.device if pieces else None
     if device is not None and device.type == "cuda":
         return Staged(

@@ -118,6 +118,7 @@ README_CLASSES: Final = (
     "connector.config:LookupConfig",
     "connector.config:IdentityConfig",
     "connector.config:LoadConfig",
+    "connector.config:ParallelKVConfig",
 )
 
 

@@ -1,0 +1,245 @@
+"""Moving a rank's head shards: one store object per slice of KV heads.
+
+The head-sharded store layout (`connector.parallel`) stores a block as
+several objects, one per slice of KV heads.  `head_pieces` views one slice
+of every layer's block; `Sharded` moves a rank's slices together, one
+transfer each.  No vLLM import.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+
+from connector.errors import ConfigError
+from connector.worker.lanes import Lane
+from connector.worker.transfer import (
+    BlockStore,
+    CopyWaits,
+    Piece,
+    Register,
+    Transfer,
+    open_transfer,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    import torch
+
+    from connector.worker.deadline import Deadline
+
+__all__ = [
+    "HeadSlice",
+    "ShardPlan",
+    "Sharded",
+    "group_lane",
+    "head_pieces",
+    "sharded_transfer",
+]
+
+
+class ShardPlan(Protocol):
+    """What a rank's lanes read of its tensor-parallel plan.
+
+    `connector.parallel.TPPlan` is one; the worker side does not import
+    it (nor the store's keys), so it stays apart from the key layout.
+    """
+
+    @property
+    def shared(self) -> bool:
+        """Blocks are stored by head shard."""
+
+    @property
+    def writes(self) -> bool:
+        """This rank puts its KV."""
+
+    @property
+    def local_heads(self) -> int:
+        """KV heads in this rank's cache."""
+
+    @property
+    def shards_per_rank(self) -> int:
+        """Store objects per block this rank holds."""
+
+    @property
+    def store_tp(self) -> int | None:
+        """Head shards per stored block, or None (per rank)."""
+
+
+@attrs.frozen
+class HeadSlice:
+    """KV heads ``[first, first + count)`` of a rank's ``local`` heads."""
+
+    first: int
+    count: int
+    local: int
+
+
+def head_pieces(pieces: Sequence[Piece], heads: HeadSlice) -> list[Piece]:
+    """The pieces' views of a slice of KV heads, in the same order.
+
+    Needs head-major blocks: each piece ``[num_blocks, local heads, ...]``
+    (vLLM's CPU and other HND layouts), so a head slice of a block is one
+    contiguous range.
+
+    Raises:
+        ValueError: naming the layer whose blocks are not head-major.
+    """
+    out = []
+    for piece in pieces:
+        shape = tuple(piece.view.shape)
+        if len(shape) < 3 or shape[1] != heads.local:  # noqa: PLR2004
+            msg = (
+                f"KV cache for layer {piece.layer!r} has blocks of shape "
+                f"{shape[1:]}; sharing KV by head needs head-major blocks "
+                f"[{heads.local} heads, ...]"
+            )
+            raise ValueError(msg)
+        view = piece.view[:, heads.first : heads.first + heads.count]
+        nbytes = piece.nbytes // heads.local * heads.count
+        out.append(Piece(piece.layer, view, nbytes))
+    return out
+
+
+class Sharded:
+    """Several transfers over one block each: the head shards a rank holds.
+
+    `save` and `load` take the keys shard-major (every block's key of the
+    first shard, then of the second ...); a block moved when every shard
+    of it did.
+
+    Args:
+        parts: One transfer per head shard, in shard order.
+    """
+
+    def __init__(self, parts: Sequence[Transfer]) -> None:
+        if not parts:
+            msg = "no shard to move"
+            raise ValueError(msg)
+        self.parts = tuple(parts)
+        self.registered = tuple(a for p in self.parts for a in p.registered)
+
+    def layer_written(self, layer: str) -> None:
+        """Every shard's transfer marks the layer."""
+        for part in self.parts:
+            part.layer_written(layer)
+
+    def fence(self) -> CopyWaits:
+        """One fence per shard."""
+        return tuple(part.fence() for part in self.parts)
+
+    def _split(self, keys: Sequence[str], count: int) -> list[Sequence[str]]:
+        if len(keys) != count * len(self.parts):
+            shards = len(self.parts)
+            msg = f"{len(keys)} keys for {count} blocks of {shards} shards"
+            raise ValueError(msg)
+        return [
+            keys[i * count : (i + 1) * count] for i in range(len(self.parts))
+        ]
+
+    def save(
+        self,
+        store: BlockStore,
+        keys: Sequence[str],
+        block_ids: Sequence[int],
+        fence: CopyWaits,
+    ) -> list[bool]:
+        """Put every shard of every block."""
+        flags = [True] * len(block_ids)
+        fences = fence or ((),) * len(self.parts)
+        for part, part_keys, part_fence in zip(
+            self.parts, self._split(keys, len(block_ids)), fences, strict=True
+        ):
+            got = part.save(store, part_keys, block_ids, part_fence)
+            flags = [a and b for a, b in zip(flags, got, strict=True)]
+        return flags
+
+    def load(
+        self,
+        store: BlockStore,
+        keys: Sequence[str],
+        block_ids: Sequence[int],
+        deadline: Deadline | None = None,
+    ) -> list[bool]:
+        """Get every shard of every block, each shard by `deadline`."""
+        flags = [True] * len(block_ids)
+        for part, part_keys in zip(
+            self.parts, self._split(keys, len(block_ids)), strict=True
+        ):
+            got = part.load(store, part_keys, block_ids, deadline)
+            flags = [a and b for a, b in zip(flags, got, strict=True)]
+        return flags
+
+
+def sharded_transfer(
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    regions: Any,
+    register: Register,
+    plan: ShardPlan,
+    *,
+    deadlines: bool = False,
+) -> Sharded:
+    """One transfer per head shard the rank holds, memory registered once.
+
+    Raises:
+        ConfigError: (``store_tp_size``) the KV blocks are not head-major.
+    """
+    per_shard = plan.local_heads // plan.shards_per_rank
+    parts = []
+    for index in range(plan.shards_per_rank):
+        heads = HeadSlice(index * per_shard, per_shard, plan.local_heads)
+        try:
+            parts.append(
+                open_transfer(
+                    kv_caches,
+                    num_blocks,
+                    regions,
+                    register=register,
+                    heads=heads,
+                    deadlines=deadlines,
+                )
+            )
+        except ValueError as exc:
+            key = "store_tp_size"
+            raise ConfigError(key, plan.store_tp, str(exc)) from exc
+    return Sharded(parts)
+
+
+def group_lane(
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    regions: Any,
+    *,
+    register: Register,
+    plan: ShardPlan,
+    keys: Any,
+    block_bytes: int,
+    deadlines: bool = False,
+) -> Lane:
+    """How one KV cache group's blocks move on this rank.
+
+    Head-sharded: one transfer per head shard the rank holds, `keys`
+    shard-major (`connector.parallel.ShardKeys`).  Per rank: one transfer
+    and the rank's scheme.  A replica rank's lane does not write.  With
+    `deadlines`, loads land in staging memory first (`open_transfer`).
+
+    Raises:
+        ConfigError: (``store_tp_size``) the KV blocks are not head-major.
+    """
+    transfer: Transfer
+    if plan.shared:
+        transfer = sharded_transfer(
+            kv_caches, num_blocks, regions, register, plan, deadlines=deadlines
+        )
+    else:
+        transfer = open_transfer(
+            kv_caches,
+            num_blocks,
+            regions,
+            register=register,
+            deadlines=deadlines,
+        )
+    return Lane(keys, transfer, block_bytes, writes=plan.writes)

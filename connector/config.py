@@ -36,6 +36,7 @@ from connector.config_values import (
     check_local_hostname,
     check_log_level,
     check_master_address,
+    check_medium,
     check_metadata_server,
     check_namespace,
     check_protocol,
@@ -59,7 +60,9 @@ if TYPE_CHECKING:
 __all__ = [
     "CONFIG_PATH_ENV",
     "CONNECTOR_KEYS",
+    "DEFAULT_EVENTS_MEDIUM",
     "VLLM_UNIMPLEMENTED_KEYS",
+    "EventsConfig",
     "GiB",
     "KiB",
     "LookupConfig",
@@ -500,12 +503,46 @@ class LookupConfig:
         return _read_keys(cls, extra)
 
 
+DEFAULT_EVENTS_MEDIUM: Final = "MOONCAKE"
+
+
+@attrs.frozen
+class EventsConfig:
+    """The store's KV-cache events (published when vLLM's are on).
+
+    Read from ``kv_connector_extra_config``: one key per field.
+    """
+
+    medium: str = attrs.field(
+        default=DEFAULT_EVENTS_MEDIUM,
+        validator=[of_type(str), check_medium],
+        metadata=key_help(
+            "``medium`` of the store's ``BlockStored`` / ``BlockRemoved`` "
+            "events (published with vLLM's ``--kv-events-config``), so a "
+            "KV-aware router tells the shared store from an instance's GPU "
+            'blocks (``"GPU"``); ``"cpu"`` matches vLLM\'s own '
+            "MooncakeStoreConnector.",
+            coerce_str,
+            key="kv_events_medium",
+        ),
+    )
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, object]) -> EventsConfig:
+        """Read the events key (default when absent).
+
+        Raises:
+            ConfigError: naming the key of a bad value.
+        """
+        return _read_keys(cls, extra)
+
+
 # The connector's own keys of kv_connector_extra_config (not the store's),
 # and the vLLM connector's keys it accepts without implementing them.
 CONNECTOR_KEYS: Final = (
     frozenset(
         config_key(f)
-        for c in (TraceConfig, LookupConfig)
+        for c in (TraceConfig, LookupConfig, EventsConfig)
         for f in attrs.fields(c)
     )
     | {"mooncake_config_path"}

@@ -271,6 +271,15 @@ def check_namespace(
         raise ConfigError(field.name, value, "must be printable text")
 
 
+def check_medium(_: object, field: attrs.Attribute[str], value: str) -> None:
+    """Non-empty printable text without spaces, at most 64 characters."""
+    if not value or len(value) > 64 or not value.isprintable():  # noqa: PLR2004
+        reason = "expected 1 to 64 printable characters"
+        raise ConfigError(config_key(field), value, reason)
+    if any(ch.isspace() for ch in value):
+        raise ConfigError(config_key(field), value, "must not contain spaces")
+
+
 def check_log_level(
     _: object, field: attrs.Attribute[str | None], value: str | None
 ) -> None:

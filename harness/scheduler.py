@@ -247,6 +247,9 @@ class Harness:
         check_every_step: run the content and block checks after each step.
         log_stats: let the scheduler build `SchedulerStats` (with the
             connector's `kv_connector_stats`) in its outputs.
+        kv_events_config: vLLM's ``--kv-events-config`` (`KVEventsConfig`
+            fields): the scheduler publishes its KV-cache events, and the
+            connector's, through vLLM's publisher.
         settle_lookups_s: after each `schedule()`, wait at most this long
             for the connector's admission lookups (a connector with a
             `wait_for_lookups(timeout_s)` method), as the forward pass of
@@ -274,6 +277,7 @@ class Harness:
         check_every_step: bool = True,
         log_stats: bool = False,
         settle_lookups_s: float | None = 1.0,
+        kv_events_config: dict[str, Any] | None = None,
     ) -> None:
         if model_runner not in ("v1", "v2"):
             msg = f"model_runner must be 'v1' or 'v2', not {model_runner!r}"
@@ -333,6 +337,7 @@ class Harness:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_events_config=kv_events_config,
             )
             self.kv_cache_config = self._make_kv_cache_config()
             self.scheduler = self._make_scheduler()
@@ -374,10 +379,12 @@ class Harness:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_prefix_caching: bool,
+        kv_events_config: dict[str, Any] | None = None,
     ) -> VllmConfig:
         from vllm.config import (  # noqa: PLC0415
             CacheConfig,
             DeviceConfig,
+            KVEventsConfig,
             KVTransferConfig,
             ModelConfig,
             SchedulerConfig,
@@ -415,6 +422,9 @@ class Harness:
             scheduler_config=scheduler_config,
             cache_config=cache_config,
             kv_transfer_config=kv_transfer_config,
+            kv_events_config=KVEventsConfig(**kv_events_config)
+            if kv_events_config
+            else None,
             device_config=DeviceConfig("cpu"),
         )
         vllm_config.cache_config.num_gpu_blocks = self.num_blocks

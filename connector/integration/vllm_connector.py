@@ -42,15 +42,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from connector.config import LookupConfig, StoreConfig, TraceConfig
+from connector.config import (
+    EventsConfig,
+    LookupConfig,
+    StoreConfig,
+    TraceConfig,
+)
 from connector.errors import ConfigError
 from connector.groups import KVGroups, Lane
+from connector.integration.kv_events import hit_sources, vllm_events
 from connector.integration.stats import (
     LifecycleConnectorStats,
     LifecyclePromMetrics,
     StatsSource,
 )
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
+from connector.scheduler.events import StoreEvents
 from connector.scheduler.failed_keys import DEFAULT_TTL_S, FailedKeys
 from connector.scheduler.lookup import leading_hits
 from connector.scheduler.side import Role, SchedulerSide
@@ -61,9 +68,10 @@ from connector.worker.transfer import KVLayout, open_transfer
 from lifecycle.trace import TraceError, TraceWriter
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterable, Sequence
 
     import torch
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         PromMetric,
         PromMetricT,
@@ -204,6 +212,12 @@ def _failed_load_ttl_s(extra: dict[str, Any]) -> float:
     return float(value)
 
 
+def _kv_events_on(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV-cache events (``--kv-events-config``)."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed import (  # noqa: PLC0415 - needs a worker
@@ -241,6 +255,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         self._store_config = StoreConfig.from_vllm(extra)
         trace = TraceConfig.from_extra_config(extra)
         lookups = LookupConfig.from_extra_config(extra)
+        self._events_medium = EventsConfig.from_extra_config(extra).medium
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
         model = PurePath(str(vllm_config.model_config.model)).name
@@ -292,6 +307,11 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                     failed_keys=FailedKeys(_failed_load_ttl_s(extra)),
                     groups=self._groups if hybrid else None,
                 )
+                if _kv_events_on(vllm_config):
+                    self._scheduler.jobs.events = StoreEvents(
+                        self._scheduler.block_size,
+                        [g.block_size for g in self._groups.groups],
+                    )
             self._trace = _open_trace(trace, self._scheduler)
         except BaseException:
             # A construction error must not keep the client referenced.
@@ -383,6 +403,34 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         """Saves still pin blocks: keep the engine stepping."""
         return self.scheduler_side.has_pending_push_work()
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        """Every external hit token comes from the store's DRAM pool."""
+        del request
+        return hit_sources(num_external_tokens)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The store's KV-cache events since the last call.
+
+        Only with vLLM's KV events on (``--kv-events-config``); see
+        `connector.integration.kv_events`.
+        """
+        events = self._scheduler.jobs.events if self._scheduler else None
+        if events is None or not len(events):
+            return ()
+        return vllm_events(events.take(), self._events_medium)
+
+    def store_cleared(self) -> None:
+        """The store was wiped (a reset): publish `AllBlocksCleared`.
+
+        Saves still in flight announce nothing.  A no-op on the worker
+        half or with KV events off.
+        """
+        events = self._scheduler.jobs.events if self._scheduler else None
+        if events is not None:
+            events.cleared()
 
     def wait_for_lookups(self, timeout_s: float) -> bool:
         """Block until this step's lookups ran: harnesses and tests only.

@@ -95,6 +95,7 @@ class RequestTracker(KVTracker):
         num_local_tokens: vLLM's local prefix-cache hit at the lookup.
         block_hashes: vLLM's live list of the request's chained block
             hashes (grows as tokens are added).
+        token_ids: vLLM's live list of the request's tokens.
         lookup_key: (epoch, blocks asked) of the cached lookup result, so
             repeated lookups while vLLM waits for space cost nothing.
         lookup_at: When the cached result's lookup was started (the
@@ -108,6 +109,7 @@ class RequestTracker(KVTracker):
     num_prompt_tokens: int = 0
     num_local_tokens: int = 0
     block_hashes: list[bytes] = attrs.field(factory=list)
+    token_ids: Any = ()
     lookup_key: tuple[int, int] = (-1, -1)
     lookup_at: float = 0.0
     load_job: int = -1
@@ -204,6 +206,7 @@ class SchedulerSide:
         """vLLM accepted a request: track it from NEW, before any lookup."""
         tracker = self.registry.get_or_create(request.request_id)
         tracker.block_hashes = request.block_hashes
+        tracker.token_ids = getattr(request, "all_token_ids", ())
         tracker.num_prompt_tokens = request.num_prompt_tokens
 
     def get_num_new_matched_tokens(
@@ -220,6 +223,7 @@ class SchedulerSide:
         if not self.registry.fire_on(tracker, Event.LOOKUP):
             return 0, False
         tracker.block_hashes = request.block_hashes
+        tracker.token_ids = getattr(request, "all_token_ids", ())
         tracker.num_prompt_tokens = request.num_prompt_tokens
         tracker.num_tokens = request.num_tokens
         tracker.num_local_tokens = num_computed_tokens
@@ -640,6 +644,7 @@ class SchedulerSide:
             last=last,
             pin=kind is JobKind.SAVE,
             finished=tracker.state is State.DRAINING,
+            token_ids=tracker.token_ids,
         )
         tracker.pending_jobs.add(job.job_id)
         return job

@@ -41,11 +41,14 @@ from connector.config_values import (
     check_namespace,
     check_protocol,
     check_segment,
+    check_tenant,
+    coerce_bool,
     coerce_int,
     coerce_level,
     coerce_path,
     coerce_str,
     config_key,
+    is_bool,
     key_help,
     of_type,
     parse_size,
@@ -102,9 +105,6 @@ UNSUPPORTED_KEYS: Final = frozenset(
     {
         "mode",
         "enable_offload",
-        "enable_ssd_offload",
-        "ssd_offload_path",
-        "tenant_id",
         "enable_client_http_server",
         "client_http_port",
         "transfer_timeout",
@@ -238,6 +238,37 @@ class StoreConfig:
         validator=[of_type(int), positive],
         metadata=key_help(
             "Memory replicas per stored block (best effort).", coerce_int
+        ),
+    )
+    tenant_id: str = attrs.field(
+        default="default",
+        validator=[of_type(str), check_tenant],
+        metadata=key_help(
+            "Mooncake tenant of this client: on a master started with "
+            "``--enable_multi_tenants=true`` tenants never see each other's "
+            "keys, and a tenant over its quota (``--tenant_quota_"
+            "connector_uri``) evicts only its own objects.",
+            coerce_str,
+        ),
+    )
+    enable_ssd_offload: bool = attrs.field(
+        default=False,
+        validator=is_bool,
+        metadata=key_help(
+            "Ask Mooncake to spill this client's objects to a local SSD "
+            "directory (``ssd_offload_path``; the master needs "
+            "``--enable_offload=true``). Passed through as is: see the "
+            "operators' page for what the 0.3.13.post1 wheel does with it.",
+            coerce_bool,
+        ),
+    )
+    ssd_offload_path: str = attrs.field(
+        default="",
+        validator=of_type(str),
+        metadata=key_help(
+            'Directory of the SSD tier (``""``: Mooncake\'s '
+            "``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``).",
+            coerce_str,
         ),
     )
     log_level: str | None = attrs.field(

@@ -280,6 +280,31 @@ def check_medium(_: object, field: attrs.Attribute[str], value: str) -> None:
         raise ConfigError(config_key(field), value, "must not contain spaces")
 
 
+def coerce_bool(key: str, value: object) -> bool:
+    """A bool, or the strings ``true``/``false`` (any case)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in {"true", "false"}:
+        return value.strip().lower() == "true"
+    raise ConfigError(key, value, "expected true or false")
+
+
+def is_bool(_: object, field: attrs.Attribute[bool], value: object) -> None:
+    """Attrs validator: a real bool."""
+    if not isinstance(value, bool):
+        raise ConfigError(config_key(field), value, "expected true or false")
+
+
+def check_tenant(_: object, field: attrs.Attribute[str], value: str) -> None:
+    """1 to 128 letters, digits, ``-``, ``_`` or ``.``."""
+    allowed = set("-_.")
+    if not 0 < len(value) <= 128 or not all(  # noqa: PLR2004
+        ch.isascii() and (ch.isalnum() or ch in allowed) for ch in value
+    ):
+        reason = "expected 1 to 128 letters, digits, '-', '_' or '.'"
+        raise ConfigError(config_key(field), value, reason)
+
+
 def check_log_level(
     _: object, field: attrs.Attribute[str | None], value: str | None
 ) -> None:

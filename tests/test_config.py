@@ -11,6 +11,7 @@ import pytest
 from connector.config import (
     CONNECTOR_KEYS,
     VLLM_UNIMPLEMENTED_KEYS,
+    EventsConfig,
     GiB,
     KiB,
     LookupConfig,
@@ -383,7 +384,7 @@ def test_connector_keys_derive_from_the_fields():
     path and the vLLM keys it accepts without implementing them."""
     own = {
         config_key(f)
-        for cls in (TraceConfig, LookupConfig)
+        for cls in (TraceConfig, LookupConfig, EventsConfig)
         for f in attrs.fields(cls)
     }
     assert own == {
@@ -391,6 +392,7 @@ def test_connector_keys_derive_from_the_fields():
         "lifecycle_trace_max_events",
         "lookup_timeout_ms",
         "lookup_max_pending",
+        "kv_events_medium",
     }
     assert (
         own | {"mooncake_config_path"} | (VLLM_UNIMPLEMENTED_KEYS)
@@ -404,3 +406,41 @@ def test_every_field_declares_help_text_and_a_coercion(cls):
     for field in attrs.fields(cls):
         assert len(field.metadata["doc"]) > 10, field.name
         assert callable(field.metadata["coerce"]), field.name
+
+
+def test_tenant_and_ssd_keys_are_read_and_validated():
+    config = StoreConfig.from_extra_config(
+        {
+            **BASE,
+            "tenant_id": "team-a.prod_1",
+            "enable_ssd_offload": "true",
+            "ssd_offload_path": " /mnt/ssd ",
+        }
+    )
+    assert config.tenant_id == "team-a.prod_1"
+    assert config.enable_ssd_offload is True
+    assert config.ssd_offload_path == "/mnt/ssd"
+    defaults = StoreConfig.from_extra_config(BASE)
+    assert (defaults.tenant_id, defaults.enable_ssd_offload) == (
+        "default",
+        False,
+    )
+    for key, bad in (
+        ("tenant_id", ""),
+        ("tenant_id", "a b"),
+        ("tenant_id", "x" * 129),
+        ("enable_ssd_offload", 1),
+        ("enable_ssd_offload", "maybe"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            StoreConfig.from_extra_config({**BASE, key: bad})
+        assert info.value.key == key
+
+
+def test_events_medium_is_read_and_validated():
+    assert EventsConfig.from_extra_config({}).medium == "MOONCAKE"
+    assert EventsConfig.from_extra_config({"kv_events_medium": "cpu"}).medium
+    for bad in ("", "two words", 3):
+        with pytest.raises(ConfigError) as info:
+            EventsConfig.from_extra_config({"kv_events_medium": bad})
+        assert info.value.key == "kv_events_medium"

@@ -73,6 +73,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     import attrs  # noqa: PLC0415
 
     from connector.config import (  # noqa: PLC0415
+        EventsConfig,
         LookupConfig,
         StoreConfig,
         TraceConfig,
@@ -89,6 +90,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     lookups = LookupConfig()
     expected["lookup_timeout_ms"] = lookups.timeout_ms
     expected["lookup_max_pending"] = lookups.max_pending
+    expected["kv_events_medium"] = EventsConfig().medium
     assert set(rows) == set(expected)
     for key, (default, meaning) in rows.items():
         assert meaning
@@ -98,7 +100,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
             assert cell == "required", key
         elif cell == "null":
             assert want is None, key
-        elif cell.startswith('"'):
+        elif cell.startswith('"') or cell in {"true", "false"}:
             assert json.loads(cell) == want, key
         else:
             assert parse_size(key, cell) == want, key

@@ -177,6 +177,10 @@ class StoreClient:
             config.protocol,
             config.device_name,
             address,
+            None,
+            config.enable_ssd_offload,
+            config.ssd_offload_path,
+            config.tenant_id,
         )
         if rc != 0:
             reason = (
@@ -187,13 +191,15 @@ class StoreClient:
             raise StoreUnavailable(address, rc, reason)
         log.info(
             "Mooncake store client %s connected to %s in %.2f s "
-            "(segment %d B, protocol %s, namespace %r)",
+            "(segment %d B, protocol %s, namespace %r, tenant %r%s)",
             store.get_hostname(),
             address,
             time.monotonic() - started,
             config.global_segment_size,
             config.protocol,
             config.namespace,
+            config.tenant_id,
+            ", SSD tier on" if config.enable_ssd_offload else "",
         )
         return cls(
             store,

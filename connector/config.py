@@ -45,8 +45,10 @@ from connector.config_values import (
     coerce_bool,
     coerce_int,
     coerce_level,
+    coerce_mode,
     coerce_path,
     coerce_str,
+    coerce_tenant,
     config_key,
     is_bool,
     key_help,
@@ -64,6 +66,7 @@ __all__ = [
     "CONFIG_PATH_ENV",
     "CONNECTOR_KEYS",
     "DEFAULT_EVENTS_MEDIUM",
+    "VLLM_BUILT_IN_KEYS",
     "VLLM_UNIMPLEMENTED_KEYS",
     "EventsConfig",
     "GiB",
@@ -80,16 +83,26 @@ log = logging.getLogger(__name__)
 CONFIG_PATH_ENV: Final = "MOONCAKE_CONFIG_PATH"
 
 
-# Keys of vLLM's own MooncakeStoreConnector that this connector does not
-# implement: accepted (one extra config serves both connectors) and named
-# in one warning when a config is read.
-VLLM_UNIMPLEMENTED_KEYS: Final = frozenset(
+# Keys of vLLM's own MooncakeStoreConnector that select a behaviour this
+# connector has built in, whatever the value: loads always asynchronous,
+# lookups always off the scheduler thread (no lookup server), only full
+# blocks saved, the block layout chosen from the KV tensors, loads
+# zero-copy (no disk staging buffer).  Accepted, named in one INFO line.
+VLLM_BUILT_IN_KEYS: Final = frozenset(
     {
         "load_async",
         "lookup_async",
         "lookup_rpc_port",
         "discard_partial_chunks",
         "enable_cross_layers_blocks",
+        "enable_offload",
+    }
+)
+# Keys of vLLM's own MooncakeStoreConnector that this connector does not
+# implement: accepted (one extra config serves both connectors) and named
+# in one warning when a config is read.
+VLLM_UNIMPLEMENTED_KEYS: Final = frozenset(
+    {
         "enable_lookup",
         "save_decode_cache",
         "store_tp_size",
@@ -99,17 +112,9 @@ VLLM_UNIMPLEMENTED_KEYS: Final = frozenset(
         "custom_mem_pool",
     }
 )
-# Keys that vLLM's or Mooncake's own loaders understand but this client
-# does not implement: warned about specifically.
-UNSUPPORTED_KEYS: Final = frozenset(
-    {
-        "mode",
-        "enable_offload",
-        "enable_client_http_server",
-        "client_http_port",
-        "transfer_timeout",
-    }
-)
+# Keys that other loaders (LMCache's) understand but this client does not
+# implement: warned about specifically.
+UNSUPPORTED_KEYS: Final = frozenset({"transfer_timeout"})
 # vLLM's extra config names the namespace ``cache_prefix``.
 _ALIASES: Final[dict[str, str]] = {"cache_prefix": "namespace"}
 
@@ -247,18 +252,20 @@ class StoreConfig:
             "Mooncake tenant of this client: on a master started with "
             "``--enable_multi_tenants=true`` tenants never see each other's "
             "keys, and a tenant over its quota (``--tenant_quota_"
-            "connector_uri``) evicts only its own objects.",
-            coerce_str,
+            "connector_uri``) evicts only its own objects. ``null`` or "
+            '``""`` is ``"default"``.',
+            coerce_tenant,
         ),
     )
     enable_ssd_offload: bool = attrs.field(
         default=False,
         validator=is_bool,
         metadata=key_help(
-            "Ask Mooncake to spill this client's objects to a local SSD "
-            "directory (``ssd_offload_path``; the master needs "
-            "``--enable_offload=true``). Passed through as is: see the "
-            "operators' page for what the 0.3.13.post1 wheel does with it.",
+            "Mooncake's client-side SSD offload (passed to its set-up, with "
+            "``ssd_offload_path``). The SSD tier that serves blocks after "
+            "DRAM eviction is the master's: ``--enable_offload=true "
+            "--root_fs_dir=DIR``, with no client key (see the operators' "
+            "page on cache tiers).",
             coerce_bool,
         ),
     )
@@ -266,9 +273,36 @@ class StoreConfig:
         default="",
         validator=of_type(str),
         metadata=key_help(
-            'Directory of the SSD tier (``""``: Mooncake\'s '
+            'Directory of the client-side offload (``""``: Mooncake\'s '
             "``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``).",
             coerce_str,
+        ),
+    )
+    enable_client_http_server: bool = attrs.field(
+        default=False,
+        validator=is_bool,
+        metadata=key_help(
+            "Start the Mooncake client's own HTTP endpoints (metrics) on "
+            "``client_http_port``.",
+            coerce_bool,
+        ),
+    )
+    client_http_port: int = attrs.field(
+        default=9300,
+        validator=[of_type(int), positive],
+        metadata=key_help(
+            "Port of the Mooncake client's HTTP endpoints.", coerce_int
+        ),
+    )
+    mode: str | None = attrs.field(
+        default=None,
+        validator=of_type(str, type(None)),
+        metadata=key_help(
+            "vLLM's topology check: ``embedded`` (this worker contributes "
+            "``global_segment_size`` > 0) or ``standalone-store`` (it "
+            "contributes 0; a separate ``mooncake_client`` owns the pool); "
+            "``null`` checks nothing.",
+            coerce_mode,
         ),
     )
     log_level: str | None = attrs.field(
@@ -280,6 +314,17 @@ class StoreConfig:
             coerce_level,
         ),
     )
+
+    def __attrs_post_init__(self) -> None:
+        """Check ``mode`` against ``global_segment_size``, as vLLM does."""
+        segment = self.global_segment_size
+        if (self.mode == "embedded" and segment == 0) or (
+            self.mode == "standalone-store" and segment != 0
+        ):
+            need = "> 0" if self.mode == "embedded" else "== 0"
+            key = "global_segment_size"
+            reason = f"mode {self.mode!r} needs {key} {need}"
+            raise ConfigError(key, segment, reason)
 
     # -- constructors ------------------------------------------------------
 
@@ -578,6 +623,7 @@ CONNECTOR_KEYS: Final = (
     )
     | {"mooncake_config_path"}
     | VLLM_UNIMPLEMENTED_KEYS
+    | VLLM_BUILT_IN_KEYS
 )
 
 
@@ -590,7 +636,7 @@ def _known_values(
     """Pick StoreConfig fields out of ``values``; warn about the rest."""
     fields = attrs.fields_dict(StoreConfig)
     kwargs: dict[str, object] = {}
-    unimplemented: list[str] = []
+    vllm_keys = VLLM_UNIMPLEMENTED_KEYS | VLLM_BUILT_IN_KEYS
     for key, value in values.items():
         if not isinstance(key, str):
             raise ConfigError(str(key), value, "keys must be strings")
@@ -600,8 +646,8 @@ def _known_values(
                 reason = f"conflicts with {name!r}={kwargs[name]!r}"
                 raise ConfigError(key, value, reason)
             kwargs[name] = value
-        elif key in VLLM_UNIMPLEMENTED_KEYS:
-            unimplemented.append(key)
+        elif key in vllm_keys:
+            continue  # named below, in one line per kind
         elif key in ignore:
             log.debug("%s: key %r is not a store setting", source, key)
         elif key in UNSUPPORTED_KEYS:
@@ -612,14 +658,28 @@ def _known_values(
             )
         else:
             log.warning("%s: unknown key %r ignored", source, key)
+    _name_vllm_keys(values, source)
+    return kwargs
+
+
+def _name_vllm_keys(values: Mapping[str, object], source: str) -> None:
+    """One INFO line for built-in vLLM keys, one WARNING for the rest."""
+    built_in = sorted(k for k in values if k in VLLM_BUILT_IN_KEYS)
+    if built_in:
+        log.info(
+            "%s: keys of vLLM's MooncakeStoreConnector whose behaviour this "
+            "connector has built in, no effect: %s",
+            source,
+            ", ".join(built_in),
+        )
+    unimplemented = sorted(k for k in values if k in VLLM_UNIMPLEMENTED_KEYS)
     if unimplemented:
         log.warning(
             "%s: keys of vLLM's MooncakeStoreConnector that this connector "
             "does not implement, ignored: %s",
             source,
-            ", ".join(sorted(unimplemented)),
+            ", ".join(unimplemented),
         )
-    return kwargs
 
 
 def _build(

@@ -289,6 +289,24 @@ def coerce_bool(key: str, value: object) -> bool:
     raise ConfigError(key, value, "expected true or false")
 
 
+def coerce_tenant(key: str, value: object) -> str:
+    """A tenant id, stripped; null or ``""`` is ``"default"`` (as vLLM)."""
+    if value is None:
+        return "default"
+    return coerce_str(key, value) or "default"
+
+
+def coerce_mode(key: str, value: object) -> str | None:
+    """``embedded``, ``standalone-store`` (vLLM's topologies) or None."""
+    if value is None:
+        return None
+    mode = coerce_str(key, value)
+    if mode not in {"embedded", "standalone-store"}:
+        reason = "expected 'embedded' or 'standalone-store'"
+        raise ConfigError(key, value, reason)
+    return mode
+
+
 def is_bool(_: object, field: attrs.Attribute[bool], value: object) -> None:
     """Attrs validator: a real bool."""
     if not isinstance(value, bool):

@@ -15,6 +15,7 @@ import attrs
 import pytest
 
 from connector.config import (
+    VLLM_BUILT_IN_KEYS,
     VLLM_UNIMPLEMENTED_KEYS,
     LookupConfig,
     StoreConfig,
@@ -136,11 +137,11 @@ def test_configuration_reference_is_generated_from_the_fields(site) -> None:
         for row, field in zip(table, attrs.fields(cls), strict=True):
             doc = " ".join(_text(field.metadata["doc"]).split())
             assert row[3] == doc.replace("``", "")
-    listed = re.search(r'<p class="config-keys">(.*?)</p>', page, re.DOTALL)
-    assert listed is not None
-    assert re.findall(
-        r"<span class=\"pre\">(\w+)</span>", listed.group(1)
-    ) == (sorted(VLLM_UNIMPLEMENTED_KEYS))
+    listed = re.findall(r'<p class="config-keys">(.*?)</p>', page, re.DOTALL)
+    assert [
+        re.findall(r"<span class=\"pre\">(\w+)</span>", keys)
+        for keys in listed
+    ] == [sorted(VLLM_UNIMPLEMENTED_KEYS), sorted(VLLM_BUILT_IN_KEYS)]
 
 
 def test_api_reference_documents_the_public_names(site) -> None:

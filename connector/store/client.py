@@ -181,6 +181,8 @@ class StoreClient:
             config.enable_ssd_offload,
             config.ssd_offload_path,
             config.tenant_id,
+            config.enable_client_http_server,
+            config.client_http_port,
         )
         if rc != 0:
             reason = (

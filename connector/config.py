@@ -57,6 +57,12 @@ from connector.config_values import (
     positive,
 )
 from connector.errors import ConfigError
+from connector.vllm_keys import (
+    UNSUPPORTED_KEYS,
+    VLLM_BUILT_IN_KEYS,
+    VLLM_UNIMPLEMENTED_KEYS,
+    name_vllm_keys,
+)
 from lifecycle.trace import DEFAULT_MAX_EVENTS
 
 if TYPE_CHECKING:
@@ -83,38 +89,6 @@ log = logging.getLogger(__name__)
 CONFIG_PATH_ENV: Final = "MOONCAKE_CONFIG_PATH"
 
 
-# Keys of vLLM's own MooncakeStoreConnector that select a behaviour this
-# connector has built in, whatever the value: loads always asynchronous,
-# lookups always off the scheduler thread (no lookup server), only full
-# blocks saved, the block layout chosen from the KV tensors, loads
-# zero-copy (no disk staging buffer).  Accepted, named in one INFO line.
-VLLM_BUILT_IN_KEYS: Final = frozenset(
-    {
-        "load_async",
-        "lookup_async",
-        "lookup_rpc_port",
-        "discard_partial_chunks",
-        "enable_cross_layers_blocks",
-        "enable_offload",
-    }
-)
-# Keys of vLLM's own MooncakeStoreConnector that this connector does not
-# implement: accepted (one extra config serves both connectors) and named
-# in one warning when a config is read.
-VLLM_UNIMPLEMENTED_KEYS: Final = frozenset(
-    {
-        "enable_lookup",
-        "save_decode_cache",
-        "store_tp_size",
-        "enable_store_tp_lcm",
-        "prefill_tp_sizes",
-        "enable_group_semantics",
-        "custom_mem_pool",
-    }
-)
-# Keys that other loaders (LMCache's) understand but this client does not
-# implement: warned about specifically.
-UNSUPPORTED_KEYS: Final = frozenset({"transfer_timeout"})
 # vLLM's extra config names the namespace ``cache_prefix``.
 _ALIASES: Final[dict[str, str]] = {"cache_prefix": "namespace"}
 
@@ -658,28 +632,8 @@ def _known_values(
             )
         else:
             log.warning("%s: unknown key %r ignored", source, key)
-    _name_vllm_keys(values, source)
+    name_vllm_keys(values, source)
     return kwargs
-
-
-def _name_vllm_keys(values: Mapping[str, object], source: str) -> None:
-    """One INFO line for built-in vLLM keys, one WARNING for the rest."""
-    built_in = sorted(k for k in values if k in VLLM_BUILT_IN_KEYS)
-    if built_in:
-        log.info(
-            "%s: keys of vLLM's MooncakeStoreConnector whose behaviour this "
-            "connector has built in, no effect: %s",
-            source,
-            ", ".join(built_in),
-        )
-    unimplemented = sorted(k for k in values if k in VLLM_UNIMPLEMENTED_KEYS)
-    if unimplemented:
-        log.warning(
-            "%s: keys of vLLM's MooncakeStoreConnector that this connector "
-            "does not implement, ignored: %s",
-            source,
-            ", ".join(unimplemented),
-        )
 
 
 def _build(

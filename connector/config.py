@@ -236,10 +236,11 @@ class StoreConfig:
         validator=is_bool,
         metadata=key_help(
             "Mooncake's client-side SSD offload (passed to its set-up, with "
-            "``ssd_offload_path``). The SSD tier that serves blocks after "
-            "DRAM eviction is the master's: ``--enable_offload=true "
-            "--root_fs_dir=DIR``, with no client key (see the operators' "
-            "page on cache tiers).",
+            "``ssd_offload_path``); keep it off: the SSD tier that serves "
+            "blocks after DRAM eviction is the master's (``--enable_offload"
+            "=true --root_fs_dir=DIR``, no client key), and with this key "
+            "on the 0.3.13.post1 wheel refused puts instead of evicting "
+            "(see the operators' page on cache tiers).",
             coerce_bool,
         ),
     )

@@ -109,9 +109,7 @@ def test_store_full_is_back_pressure(cluster):
 
 
 @full_tier
-def test_store_full_with_the_ssd_tier_serves_evicted_blocks(
-    cluster, tmp_path
-):
+def test_store_full_with_the_ssd_tier_serves_evicted_blocks(cluster, tmp_path):
     """The same load on a master with Mooncake's SSD tier: the oldest
     prompts, evicted from DRAM, are served again from disk."""
     nodes = cluster.spawn("S1", "S2", "S3")

@@ -191,9 +191,7 @@ def test_store_events_reach_a_router_and_hits_are_counted_by_tier(
         host = labelled_sum(
             text, "vllm:prompt_tokens_cached_by_source_total", source="host"
         )
-        external = labelled_sum(
-            text, "vllm:external_prefix_cache_hits_total"
-        )
+        external = labelled_sum(text, "vllm:external_prefix_cache_hits_total")
         unspecified = labelled_sum(
             text,
             "vllm:prompt_tokens_cached_by_source_total",

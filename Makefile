@@ -27,8 +27,9 @@ typecheck: $(STAMP)
 	$(PY) -m mypy --strict lifecycle connector harness demo examples
 	$(PY) -m mypy --strict docs/_ext docs/conf.py
 
-# Every shipped table: the KV lifecycle and the P/D producer and consumer.
-SHIPPED_TABLES := lifecycle.kv:TABLE lifecycle.pd:PRODUCER lifecycle.pd:CONSUMER
+# Every shipped table: the KV lifecycle, the connector's admission lookup,
+# and the P/D producer and consumer.
+SHIPPED_TABLES := lifecycle.kv:TABLE connector.scheduler.admission:LOOKUPS lifecycle.pd:PRODUCER lifecycle.pd:CONSUMER
 
 diagrams: $(STAMP)
 	for t in $(SHIPPED_TABLES); do $(PY) -m lifecycle render --table $$t --out diagrams || exit 1; done

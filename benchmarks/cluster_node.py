@@ -165,10 +165,12 @@ def serve(conn: Connection, name: str, log_path: str) -> None:
 
 
 def _same_model_everywhere(root: Path) -> None:
-    """Give every node's tiny model folder the same name.
+    """Give every node the same tiny model folder.
 
-    Keys carry the model's folder name; the harness makes a fresh
+    Keys carry the model's full path; the harness makes a fresh
     temporary folder per process, so instances would never share a key.
+    Every node writes the same `config.json`, each through its own
+    temporary file and an atomic rename.
     """
     import harness.scheduler as scheduler_harness  # noqa: PLC0415
 
@@ -178,9 +180,11 @@ def _same_model_everywhere(root: Path) -> None:
     def tiny_model_dir(num_layers: int, max_model_len: int) -> Path:
         source = make(num_layers, max_model_len)
         name = f"tiny-llama-{num_layers}l-{max_model_len}"
-        folder = root / f"models-{os.getpid()}" / name
+        folder = root / "models" / name
         folder.mkdir(parents=True, exist_ok=True)
-        shutil.copy(source / "config.json", folder / "config.json")
+        mine = folder / f".config.json.{os.getpid()}"
+        shutil.copy(source / "config.json", mine)
+        mine.replace(folder / "config.json")
         return folder
 
     scheduler_harness._tiny_model_dir = tiny_model_dir  # noqa: SLF001

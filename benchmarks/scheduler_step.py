@@ -1,11 +1,11 @@
 """Scheduler-side connector cost per step inside vLLM 0.33's real `Scheduler`.
 
-``python -m benchmarks.scheduler_step --json`` follows section 7 of the
-connector reference: the plain `Scheduler` (via `harness.scheduler`), a
-steady decode of N running requests (prompts of 56-71 tokens, no
-preemption), and per step the time of `schedule()` + `update_from_output()`
-and, separately, the time spent inside the connector's scheduler-side hooks
-(each hook of the connector instance is wrapped by a timing shim).
+``python -m benchmarks.scheduler_step --json`` runs the plain `Scheduler`
+(via `harness.scheduler`), a steady decode of N running requests
+(prompts of 56-71 tokens, no preemption), and per step the time of
+`schedule()` + `update_from_output()` and, separately, the time spent
+inside the connector's scheduler-side hooks (each hook of the connector
+instance is wrapped by a timing shim).
 Three set-ups run side by side on the same requests, at each N:
 
 - ``none``: no KV connector;

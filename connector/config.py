@@ -47,6 +47,7 @@ from connector.config_values import (
     coerce_level,
     coerce_mode,
     coerce_path,
+    coerce_seconds,
     coerce_str,
     coerce_tenant,
     config_key,
@@ -72,10 +73,12 @@ __all__ = [
     "CONFIG_PATH_ENV",
     "CONNECTOR_KEYS",
     "DEFAULT_EVENTS_MEDIUM",
+    "DEFAULT_FAILED_LOAD_TTL_S",
     "VLLM_BUILT_IN_KEYS",
     "VLLM_UNIMPLEMENTED_KEYS",
     "EventsConfig",
     "GiB",
+    "IdentityConfig",
     "KiB",
     "LookupConfig",
     "MiB",
@@ -512,6 +515,9 @@ class TraceConfig:
 
 DEFAULT_LOOKUP_TIMEOUT_MS: Final = 50
 DEFAULT_LOOKUP_MAX_PENDING: Final = 4096
+DEFAULT_FAILED_LOAD_TTL_S: Final = 15.0
+"""Mooncake's default ``client_ttl`` (10 s), plus the ~1 s the master
+takes to drop a dead client's keys, plus margin."""
 
 
 @attrs.frozen
@@ -544,9 +550,51 @@ class LookupConfig:
         ),
     )
 
+    failed_load_ttl_s: float = attrs.field(
+        default=DEFAULT_FAILED_LOAD_TTL_S,
+        validator=[of_type(float), positive],
+        metadata=key_help(
+            "Seconds a block whose load failed (a dead peer's block the "
+            "master still lists) is not looked up again, unless a lookup "
+            "shows the master dropped it first; at least the master's "
+            "``client_ttl`` + 1 s.",
+            coerce_seconds,
+        ),
+    )
+
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object]) -> LookupConfig:
-        """Read the two lookup keys (defaults when absent).
+        """Read the lookup keys (defaults when absent).
+
+        Raises:
+            ConfigError: naming the key of a bad value.
+        """
+        return _read_keys(cls, extra)
+
+
+@attrs.frozen
+class IdentityConfig:
+    """The weights a stored block's key names, beyond model and revision.
+
+    Read from ``kv_connector_extra_config``: one key per field.
+    """
+
+    weights_version: str = attrs.field(
+        default="",
+        validator=[of_type(str), check_namespace],
+        metadata=key_help(
+            "Names the weights this instance serves, when the model name "
+            "or path and revision do not (a checkpoint replaced in place, "
+            "a fine-tune loaded at start-up); instances share KV only with "
+            "equal values. ``reset_cache()`` moves the instance on to a "
+            "fresh generation of its own.",
+            coerce_str,
+        ),
+    )
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, object]) -> IdentityConfig:
+        """Read the identity keys (defaults when absent).
 
         Raises:
             ConfigError: naming the key of a bad value.
@@ -593,7 +641,7 @@ class EventsConfig:
 CONNECTOR_KEYS: Final = (
     frozenset(
         config_key(f)
-        for c in (TraceConfig, LookupConfig, EventsConfig)
+        for c in (TraceConfig, LookupConfig, EventsConfig, IdentityConfig)
         for f in attrs.fields(c)
     )
     | {"mooncake_config_path"}

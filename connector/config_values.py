@@ -39,6 +39,7 @@ __all__ = [
     "coerce_int",
     "coerce_level",
     "coerce_path",
+    "coerce_seconds",
     "coerce_str",
     "config_key",
     "key_help",
@@ -116,6 +117,17 @@ def coerce_int(key: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(key, value, "expected an integer")
     return value
+
+
+def coerce_seconds(key: str, value: object) -> float:
+    """A positive, finite number of seconds (int or float), as a float."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value < float("inf")
+    ):
+        raise ConfigError(key, value, "expected a positive number of seconds")
+    return float(value)
 
 
 def coerce_str(key: str, value: object) -> str:
@@ -255,7 +267,7 @@ def check_buffer(_: object, field: attrs.Attribute[int], value: int) -> None:
         raise ConfigError(field.name, value, "must be at most 1 TiB")
 
 
-def positive(_: object, field: attrs.Attribute[int], value: int) -> None:
+def positive(_: object, field: attrs.Attribute[Any], value: float) -> None:
     """Greater than 0."""
     if value <= 0:
         raise ConfigError(config_key(field), value, "must be positive")

@@ -51,15 +51,12 @@ from typing import Any, Final
 import attrs
 
 from connector.errors import UnsupportedKVGroups
-from connector.metadata import JobKind, TransferJob
 
 __all__ = [
     "NULL_BLOCK",
     "GroupKind",
     "KVGroup",
     "KVGroups",
-    "Lane",
-    "move_blocks",
     "sliding_hit",
 ]
 
@@ -269,39 +266,3 @@ class KVGroups:
                 if i < len(table) and not (sliding and table[i] == NULL_BLOCK)
             )
         return out
-
-
-@attrs.frozen
-class Lane:
-    """How one KV cache group's blocks move on a worker.
-
-    Attributes:
-        keys: The group's store keys (its ``g<group>`` scheme).
-        transfer: Moves the group's layers of a block.
-        block_bytes: Bytes of one of the group's blocks (all its layers).
-    """
-
-    keys: Any
-    transfer: Any
-    block_bytes: int
-
-
-def move_blocks(
-    lanes: Sequence[Lane], store: Any, job: TransferJob, fences: Sequence[Any]
-) -> list[bool]:
-    """Run `job` group by group; one success flag per (group, block)."""
-    flags = [False] * len(job.block_ids)
-    positions: dict[int, list[int]] = {}
-    for pos, group in enumerate(job.groups()):
-        positions.setdefault(group, []).append(pos)
-    for group, where in positions.items():
-        lane = lanes[group]
-        keys = lane.keys.keys([job.block_hashes[p] for p in where])
-        ids = [job.block_ids[p] for p in where]
-        if job.kind is JobKind.LOAD:
-            got = lane.transfer.load(store, keys, ids)
-        else:
-            got = lane.transfer.save(store, keys, ids, fences[group])
-        for pos, ok in zip(where, got, strict=True):
-            flags[pos] = ok
-    return flags

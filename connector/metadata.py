@@ -67,12 +67,15 @@ class ConnectorMeta:
         jobs: Transfer jobs issued this step.
         preempted: (req_id, new epoch) of requests preempted this step.
         finished: Ids vLLM finished since the previous step.
+        generation: The weights generation the step's jobs are keyed
+            under; None until the first cache reset (the configured one).
     """
 
     step: int
     jobs: tuple[TransferJob, ...] = ()
     preempted: tuple[tuple[str, int], ...] = ()
     finished: frozenset[str] = frozenset()
+    generation: str | None = None
 
 
 @attrs.frozen

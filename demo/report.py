@@ -16,7 +16,7 @@ from typing import Any, Final, TypeVar
 
 import attrs
 
-from connector.scheduler.side import RequestTracker
+from connector.scheduler.requests import RequestTracker
 from demo.spec import WorkloadConfig
 from lifecycle import Row, render
 from lifecycle.kv import TABLE, Event, KVTracker, State

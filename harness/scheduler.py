@@ -254,6 +254,10 @@ class Harness:
             for the connector's admission lookups (a connector with a
             `wait_for_lookups(timeout_s)` method), as the forward pass of
             a real engine would; None never waits (benchmarks).
+        model: the model folder vLLM is configured with (it must hold a
+            `config.json` of `num_layers` layers, see `tiny_model_dir`);
+            None: one temporary folder shared by this process's harnesses.
+        revision: `ModelConfig.revision`.
 
     """
 
@@ -277,6 +281,8 @@ class Harness:
         check_every_step: bool = True,
         log_stats: bool = False,
         settle_lookups_s: float | None = 1.0,
+        model: str | os.PathLike[str] | None = None,
+        revision: str | None = None,
         kv_events_config: dict[str, Any] | None = None,
     ) -> None:
         if model_runner not in ("v1", "v2"):
@@ -337,6 +343,8 @@ class Harness:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
                 enable_prefix_caching=enable_prefix_caching,
+                model=model,
+                revision=revision,
                 kv_events_config=kv_events_config,
             )
             self.kv_cache_config = self._make_kv_cache_config()
@@ -379,7 +387,9 @@ class Harness:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_prefix_caching: bool,
-        kv_events_config: dict[str, Any] | None = None,
+        model: str | os.PathLike[str] | None,
+        revision: str | None,
+        kv_events_config: dict[str, Any] | None,
     ) -> VllmConfig:
         from vllm.config import (  # noqa: PLC0415
             CacheConfig,
@@ -391,8 +401,11 @@ class Harness:
             VllmConfig,
         )
 
+        if model is None:
+            model = _tiny_model_dir(len(self.layer_names), max_model_len)
         model_config = ModelConfig(
-            model=str(_tiny_model_dir(len(self.layer_names), max_model_len)),
+            model=str(model),
+            revision=revision,
             skip_tokenizer_init=True,
             dtype="float32",
             max_model_len=max_model_len,
@@ -1173,6 +1186,20 @@ class Harness:
                 f"leaked blocks: {self.num_free_blocks} of {usable} free at "
                 "the end"
             )
+
+
+def tiny_model_dir(
+    folder: Path, *, num_layers: int = 2, max_model_len: int = 1024
+) -> Path:
+    """Write the harness's tiny model `config.json` into `folder`.
+
+    For a harness configured with a model path of its own (`model`);
+    `num_layers` and `max_model_len` must match the harness's.
+    """
+    source = _tiny_model_dir(num_layers, max_model_len) / "config.json"
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source, folder / "config.json")
+    return folder
 
 
 @functools.cache

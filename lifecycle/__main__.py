@@ -109,7 +109,12 @@ def _replay(args: argparse.Namespace, table: Table[Any, Any]) -> int:
     )
 
     try:
-        result = replay_file(args.trace, table=table)
+        others = [load_table(spec) for spec in args.also]
+    except TableNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = replay_file(args.trace, table=table, tables=others)
     except TableMismatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -169,6 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("trace", help="a JSONL trace (lifecycle_trace)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--request", help="show only this request id's path")
+    p.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="MODULE:NAME",
+        help="another table of a trace shared by several lifecycles "
+        "(repeatable)",
+    )
     p.set_defaults(func=_replay)
     args = parser.parse_args(argv)
     try:

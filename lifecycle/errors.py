@@ -21,6 +21,10 @@ def _spelled(event: enum.Enum) -> str:
     return value if isinstance(value, str) else event.name
 
 
+def _in(table: str | None) -> str:
+    return "" if table is None else f"table {table}: "
+
+
 class LifecycleError(Exception):
     """Base class of every error raised by `lifecycle`."""
 
@@ -34,19 +38,21 @@ class IllegalTransition(LifecycleError):
         event: The event that was refused.
         req_id: The request the tracker belongs to, or None when unknown.
         epoch: The tracker's epoch, or None when the request is unknown.
+        table: The name of the table whose machine refused the event.
     """
 
     state: enum.Enum | None
     event: enum.Enum
-    req_id: str | None
+    req_id: object
     epoch: int | None = None
+    table: str | None = None
 
     def __str__(self) -> str:
         state = self.state
         where = state.name if state is not None else "an unknown request"
         return (
-            f"`{_spelled(self.event)}` is not allowed in {where} "
-            f"(request {self.req_id})"
+            f"{_in(self.table)}`{_spelled(self.event)}` is not allowed in "
+            f"{where} (request {self.req_id})"
         )
 
 
@@ -59,6 +65,62 @@ class UnknownRequest(IllegalTransition):
 
     state: enum.Enum | None = attrs.field(default=None, init=False)
     epoch: int | None = attrs.field(default=None, init=False)
+
+
+@attrs.define(auto_exc=True, slots=False)
+class GuardRefused(LifecycleError):
+    """Every guard of the rows for (state, event) said no (strict mode).
+
+    Attributes:
+        state: The tracker's state (unchanged).
+        event: The event.
+        req_id: The request the tracker belongs to.
+        epoch: The tracker's epoch.
+        rows: The guarded rows that were tried, in order.
+        table: The name of the table.
+    """
+
+    state: enum.Enum
+    event: enum.Enum
+    req_id: object
+    epoch: int
+    rows: tuple[Row[Any, Any], ...] = ()
+    table: str | None = None
+
+    def __str__(self) -> str:
+        tried = ", ".join(f"`{r}`" for r in self.rows)
+        return (
+            f"{_in(self.table)}every guard refused "
+            f"`{_spelled(self.event)}` in {self.state.name} (request "
+            f"{self.req_id}; rows tried: {tried or 'none'})"
+        )
+
+
+@attrs.define(auto_exc=True, slots=False)
+class ReentrantFire(LifecycleError):
+    """A callback, guard or observer fired an event during a transition.
+
+    Callbacks and observers run inside the machine's transition (under its
+    lock); an event fired from one would deadlock or interleave.  Return
+    what must happen next and fire it after the first `fire` returned.
+
+    Attributes:
+        event: The event fired from inside.
+        req_id: Its request.
+        table: The name of the table.
+    """
+
+    event: enum.Enum
+    req_id: object
+    table: str | None = None
+
+    def __str__(self) -> str:
+        return (
+            f"{_in(self.table)}`{_spelled(self.event)}` for request "
+            f"{self.req_id} was fired from inside a transition: callbacks, "
+            "guards and observers must not fire events (fire it after "
+            "`fire` returns)"
+        )
 
 
 @attrs.frozen

@@ -168,20 +168,20 @@ class KVTracker(Tracker[State]):
 # run inside the transition, after the state has changed.
 
 
-def bump_epoch(tracker: KVTracker) -> None:
+def bump_epoch(tracker: KVTracker, _data: object = None) -> None:
     """Start a new epoch: jobs issued before now become stale."""
     tracker.epoch += 1
     tracker.pending_jobs.clear()
 
 
-def release_blocks(tracker: KVTracker) -> None:
+def release_blocks(tracker: KVTracker, _data: object = None) -> None:
     """Forget the block tables: vLLM has freed (or will reuse) the blocks."""
     tracker.block_ids.clear()
     for table in tracker.group_block_ids:
         table.clear()
 
 
-def clear_progress(tracker: KVTracker) -> None:
+def clear_progress(tracker: KVTracker, _data: object = None) -> None:
     """Forget everything learnt in the previous epoch, ready to re-admit."""
     release_blocks(tracker)
     tracker.num_hit_tokens = 0
@@ -189,7 +189,7 @@ def clear_progress(tracker: KVTracker) -> None:
     tracker.num_saved_tokens = 0
 
 
-def settle_load(tracker: KVTracker) -> None:
+def settle_load(tracker: KVTracker, _data: object = None) -> None:
     """The load is over, whatever its outcome: nothing is being received."""
     tracker.num_external_tokens = 0
 

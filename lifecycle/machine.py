@@ -9,6 +9,10 @@ definition and a differential test holds them to the same result.  The
 path and `fire` cannot disagree.  One machine serves every tracker:
 trackers are never passed to `add_model`, never get bound methods, and the
 machine keeps no list of them.
+
+Fire events through a `Registry` (`Registry.fire` by id, `Registry.fire_on`
+with the tracker in hand): it also drops trackers that ended.
+`LifecycleMachine.fire` is the step both use.
 """
 
 from __future__ import annotations
@@ -17,13 +21,19 @@ import enum
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol
 
-from transitions import EventData, Machine
-
+from lifecycle._counts import Counts
+from lifecycle._generic import Padded
 from lifecycle._ratelimit import RateLimitedLog
-from lifecycle.errors import IllegalTransition, UnknownRequest
+from lifecycle._stock import TxCallback, TxGuard, stock_machine
+from lifecycle.errors import (
+    GuardRefused,
+    IllegalTransition,
+    ReentrantFire,
+    UnknownRequest,
+)
 from lifecycle.table import Callback, Guard, Row, Table, event_name
 from lifecycle.tracker import Tracker
 
@@ -32,7 +42,14 @@ if TYPE_CHECKING:
 
     S = TypeVar("S", bound=enum.Enum)
     E = TypeVar("E", bound=enum.Enum)
-    T = TypeVar("T", bound=Tracker[Any], default=Tracker[Any])
+    T = TypeVar(  # noqa: PLC0105 - T reads best in every signature
+        "T",
+        bound=Tracker[Any, Any],
+        contravariant=True,
+        default=Tracker[S, Hashable],
+    )
+    D = TypeVar("D", default=Any)
+    D_contra = TypeVar("D_contra", contravariant=True)
     S_contra = TypeVar("S_contra", bound=enum.Enum, contravariant=True)
     E_contra = TypeVar("E_contra", bound=enum.Enum, contravariant=True)
     T_contra = TypeVar("T_contra", bound=Tracker[Any], contravariant=True)
@@ -41,16 +58,22 @@ else:
 
     S = TypeVar("S", bound=enum.Enum)
     E = TypeVar("E", bound=enum.Enum)
-    T = TypeVar("T", bound=Tracker)
+    T = TypeVar("T", bound=Tracker, contravariant=True)  # noqa: PLC0105
+    D = TypeVar("D")
+    D_contra = TypeVar("D_contra", contravariant=True)
     S_contra = TypeVar("S_contra", bound=enum.Enum, contravariant=True)
     E_contra = TypeVar("E_contra", bound=enum.Enum, contravariant=True)
     T_contra = TypeVar("T_contra", bound=Tracker, contravariant=True)
 
 log: Final = logging.getLogger("lifecycle")
 
+ILLEGAL: Final = "illegal"
+STALE: Final = "stale"
+REFUSED: Final = "refused"
+
 
 class Observer(Protocol[T_contra, S_contra, E_contra]):
-    """Called after every transition (under the machine's lock)."""
+    """Called after every transition (inside it, under the machine's lock)."""
 
     def __call__(
         self, tracker: T_contra, source: S_contra, event: E_contra, dest: Any
@@ -61,92 +84,62 @@ class Observer(Protocol[T_contra, S_contra, E_contra]):
 class RejectObserver(Protocol[S_contra, E_contra]):
     """Called for every event not applied (under the machine's lock)."""
 
-    def __call__(
+    def __call__(  # noqa: PLR0917 - the observer protocol
         self,
-        req_id: str,
+        req_id: Any,
         epoch: int | None,
         state: S_contra | None,
         event: E_contra,
         job_epoch: int | None,
+        outcome: str,
     ) -> None:
-        """Observe a refused `event`.
+        """Observe an `event` that was not applied.
 
-        Stale when `job_epoch` is set (the completion's epoch); otherwise
-        an illegal ordering, with `state` and `epoch` None for an id the
-        registry does not track.
+        `outcome` says why: ``"illegal"`` (no row for the state; `state`
+        and `epoch` are None for an id the registry does not track),
+        ``"stale"`` (`job_epoch` is the completion's older epoch) or
+        ``"refused"`` (every guard of the state's rows said no).
         """
 
 
-_FIRE_DOC: Final = """Apply `event` to `tracker` as the table says.
-
-Args:
-    tracker: The request's tracker.
-    event: The event (a member of the table's event enum).
-    epoch: The epoch a transfer job was issued in.  If it differs
-        from the tracker's, the event is stale: counted, never
-        applied, never raised.
-
-Returns:
-    True if a row applied.  False for an illegal ordering (tracker
-    unchanged, counted, logged at a bounded rate), a stale event, a
-    row whose guard said no, or a callback that raised (state and
-    epoch restored, counted, logged).
-
-Raises:
-    IllegalTransition: in strict mode, for an illegal ordering.
-    Exception: in strict mode, what a callback or guard raised.
-    TypeError: `event` is not an event of the table.
-"""
-
-
-class _Fire(Protocol[T_contra, E_contra]):
+class _Fire(Protocol[T_contra, E_contra, D_contra]):
     def __call__(
-        self, tracker: T_contra, event: E_contra, *, epoch: int | None = None
-    ) -> bool: ...
+        self,
+        tracker: T_contra,
+        event: E_contra,
+        *,
+        epoch: int | None = None,
+        data: D_contra | None = None,
+    ) -> bool:
+        """Apply `event` to `tracker` (see `LifecycleMachine.fire`)."""
 
 
-class _TxCallback:
-    """Adapts a tracker callback to transitions' ``send_event`` calling."""
-
-    __slots__ = ("target",)
-
-    def __init__(self, target: Callback) -> None:
-        self.target = target
-
-    def __call__(self, event_data: EventData) -> None:
-        self.target(event_data.model)
+# One alternative: (dest, callbacks run after the change, row index, guard).
+_Alt = tuple[Any, tuple[Callback, ...], int, Guard | None]
+# A compiled (state, event): the first alternative, then the rest or None.
+_Compiled = tuple[Any, tuple[Callback, ...], int, Guard | None, Any]
 
 
-class _TxGuard:
-    """Adapts a row guard to a transitions condition."""
-
-    __slots__ = ("target",)
-
-    def __init__(self, target: Guard) -> None:
-        self.target = target
-
-    def __call__(self, event_data: EventData) -> bool:
-        return bool(self.target(event_data.model))
-
-
-# A compiled row: (dest, callbacks run after the change, row index, guard).
-_Compiled = tuple[Any, tuple[Callback, ...], int, Guard | None]
-
-
-class LifecycleMachine(Generic[S, E, T]):
+class LifecycleMachine(Padded, Generic[S, E, T, D]):
     """The shared state machine of every tracker of one table.
+
+    Type parameters: the table's states ``S``, events ``E``, the trackers
+    it accepts ``T`` (default: any `Tracker` of ``S``, so a tracker of
+    another table's states is a type error) and the event data ``D``.
 
     Args:
         table: The transition table.
-        strict: Raise `IllegalTransition` on an illegal ordering, and
-            re-raise what a callback raised, instead of the logged,
-            counted no-op.  For tests.
+        strict: Raise `IllegalTransition` on an illegal ordering,
+            `GuardRefused` when every guard refuses, and re-raise what a
+            callback raised, instead of the logged, counted no-op.  For
+            tests.
         thread_safe: Hold a lock for each transition (the default).  Only
             a machine whose events all come from one thread may pass
             False, which makes an event about 1.5 times cheaper.
         log_interval: Seconds between two log records for the same
             (state, event) pair; the rest are counted.
-        logger: Where illegal orderings and callback failures are logged.
+        logger: Where illegal orderings, refusals and callback failures
+            are logged.  Every record names the table (``table=``).
 
     Callback failures: if a row's guard, enter hook or ``after`` callback
     raises, the event is refused: the tracker's state and epoch are put
@@ -158,40 +151,82 @@ class LifecycleMachine(Generic[S, E, T]):
 
     Thread safety: `fire` holds one lock for the whole transition, so
     events fired concurrently from transfer threads and the scheduler
-    thread never interleave inside a transition.  Callbacks and observers
-    run under that lock and must not fire events.
+    thread never interleave inside a transition.  Callbacks, guards and
+    observers run inside the transition and must not fire events: one that
+    does gets `ReentrantFire` (a machine with ``thread_safe=False`` does
+    not check).
     """
 
-    fire: _Fire[T, E]
-    """Apply an event to a tracker: see `_FIRE_DOC` (the compiled hot path).
+    _defaults = (Any, Any)  # T and D have defaults (see `Padded`)
+
+    fire: _Fire[T, E, D]
+    """Apply `event` to `tracker` as the table says (the compiled hot path).
+
+    ``fire(tracker, event, *, epoch=None, data=None) -> bool``.
+    Prefer `Registry.fire_on` (the same step, and it drops a tracker that
+    reached a terminal state).
+
+    Args:
+        tracker: The request's tracker.
+        event: The event (a member of the table's event enum).
+        epoch: The epoch a transfer job was issued in.  If it differs
+            from the tracker's, the event is stale: counted, never
+            applied, never raised; the ``always`` callbacks of the
+            event's rows still run.
+        data: Passed to every guard and callback the event runs, as
+            their second argument (None when not given).
+
+    Returns:
+        True if a row applied.  False for an illegal ordering (tracker
+        unchanged, counted, logged at a bounded rate), a stale event, an
+        event every guard refused (counted in `guard_counts`, logged at a
+        bounded rate), or a callback that raised (state and epoch
+        restored, counted, logged).
+
+    Raises:
+        IllegalTransition: in strict mode, for an illegal ordering.
+        GuardRefused: in strict mode, when every guard refused.
+        Exception: in strict mode, what a callback or guard raised.
+        ReentrantFire: called from a callback, guard or observer.
+        TypeError: `event` is not an event of the table.
     """
 
     def __init__(
         self,
-        table: Table[S, E],
+        table: Table[S, E, D],
         *,
         strict: bool = False,
         thread_safe: bool = True,
         log_interval: float = 10.0,
         logger: logging.Logger = log,
     ) -> None:
-        self.table: Table[S, E] = table
+        self.table: Table[S, E, D] = table
+        """The table this machine applies."""
         self.strict = strict
+        """Whether policy violations raise (see the class)."""
         self.thread_safe = thread_safe
-        self.illegal_counts: Counter[tuple[S | None, E]] = Counter()
-        self.stale_counts: Counter[tuple[S, E]] = Counter()
-        self.guard_counts: Counter[tuple[S, E]] = Counter()
-        self.callback_errors: Counter[tuple[S, E]] = Counter()
-        self._tx = _stock_machine(table)
-        self._lock = threading.Lock()
+        """Whether `fire` holds the machine's lock."""
+        self._illegal_counts: Counter[tuple[S | None, E]] = Counter()
+        self._stale_counts: Counter[tuple[S, E]] = Counter()
+        self._guard_counts: Counter[tuple[S, E]] = Counter()
+        self._callback_errors: Counter[tuple[S, E]] = Counter()
+        self._tx = stock_machine(table)
+        self._lock = threading.RLock()
         self._illegal_log = RateLimitedLog(logger, log_interval)
+        self._refused_log = RateLimitedLog(logger, log_interval, logging.INFO)
         self._stale_log = RateLimitedLog(logger, log_interval, logging.DEBUG)
         self._error_log = RateLimitedLog(logger, log_interval, logging.ERROR)
         self._observers: tuple[Observer[T, S, E], ...] = ()
         self._reject_observers: tuple[RejectObserver[S, E], ...] = ()
-        self._rows: tuple[Row[S, E], ...] = table.rows
+        self._rows: tuple[Row[S, E, D], ...] = table.rows
         self._counts: list[int] = [0] * len(table.rows)
+        self._busy = [False]  # inside a transition (the reentrancy check)
         self._dispatch = self._compile()
+        self._always: dict[E, tuple[Callback, ...]] = {
+            r.event: table.stale_callbacks(r.event)
+            for r in table.rows
+            if r.always
+        }
         self.fire = self._compiled_fire()
 
     def __repr__(self) -> str:
@@ -200,36 +235,81 @@ class LifecycleMachine(Generic[S, E, T]):
             f"thread_safe={self.thread_safe})"
         )
 
+    @property
+    def name(self) -> str:
+        """The table's name, as logs, traces, metrics and errors call it."""
+        return self.table.name
+
+    # -- read-only counters -----------------------------------------------
+
+    @property
+    def illegal_counts(self) -> Counts[tuple[S | None, E]]:
+        """Illegal orderings by (state, event), state None for unknown ids.
+
+        A read-only live view (missing keys read 0); `rejected_counts`
+        copies it under the lock.
+        """
+        return Counts(self._illegal_counts)
+
+    @property
+    def stale_counts(self) -> Counts[tuple[S, E]]:
+        """Stale completions by (tracker state, event); read-only view."""
+        return Counts(self._stale_counts)
+
+    @property
+    def guard_counts(self) -> Counts[tuple[S, E]]:
+        """Events every guard refused, by (state, event); read-only view."""
+        return Counts(self._guard_counts)
+
+    @property
+    def callback_errors(self) -> Counts[tuple[S, E]]:
+        """Guards or callbacks that raised, by (state, event); read-only."""
+        return Counts(self._callback_errors)
+
+    # -- compiling ----------------------------------------------------------
+
     def _compile(self) -> dict[E, dict[S, _Compiled]]:
         """Build the fast dispatch from transitions' own event objects."""
         table = self.table
-        index = {(r.source, r.event): i for i, r in enumerate(self._rows)}
         dispatch: dict[E, dict[S, _Compiled]] = {e: {} for e in table.events}
         for name, tx_event in self._tx.events.items():
             event = table.event_named(name)
             for source_name, transitions in tx_event.transitions.items():
-                (tx,) = transitions  # one row per (state, event): validated
                 source = table.state_named(source_name)
-                dest = table.state_named(str(tx.dest))
-                enter = self._tx.get_state(str(tx.dest)).on_enter
-                guards = [
-                    c.func.target
-                    for c in tx.conditions
-                    if isinstance(c.func, _TxGuard)
+                indices = [
+                    i
+                    for i, r in enumerate(self._rows)
+                    if r.source is source and r.event is event
                 ]
+                alts: list[_Alt] = []
+                for index, tx in zip(indices, transitions, strict=True):
+                    dest = table.state_named(str(tx.dest))
+                    enter = self._tx.get_state(str(tx.dest)).on_enter
+                    guards = [
+                        c.func.target
+                        for c in tx.conditions
+                        if isinstance(c.func, TxGuard)
+                    ]
+                    alts.append(
+                        (
+                            dest,
+                            tuple(
+                                cb.target
+                                for cb in (*enter, *tx.after)
+                                if isinstance(cb, TxCallback)
+                            ),
+                            index,
+                            guards[0] if guards else None,
+                        )
+                    )
+                first, *rest = alts
                 dispatch[event][source] = (
-                    dest,
-                    tuple(
-                        cb.target
-                        for cb in (*enter, *tx.after)
-                        if isinstance(cb, _TxCallback)
-                    ),
-                    index[(source, event)],
-                    guards[0] if guards else None,
+                    *first,
+                    tuple(rest) if rest else None,
                 )
         return dispatch
 
-    def _compiled_fire(self) -> _Fire[T, E]:  # noqa: C901 - the hot path
+    def _compiled_fire(self) -> _Fire[T, E, D]:  # noqa: C901 - the hot path
         """`fire` as a closure over the dispatch: the hot path.
 
         Locals instead of attribute lookups, tuples instead of records.
@@ -239,33 +319,39 @@ class LifecycleMachine(Generic[S, E, T]):
         counts = self._counts
         lock = self._lock
         illegal, stale = self._illegal, self._stale
-        guarded, failed = self._guarded, self._failed
+        choose, failed = self._choose, self._failed
+        busy = self._busy
         machine = self
 
         def fire_unlocked(  # noqa: C901 - one flat function is fastest
-            tracker: T, event: E, *, epoch: int | None = None
+            tracker: T,
+            event: E,
+            epoch: int | None = None,
+            data: D | None = None,
         ) -> bool:
             state = tracker.state
             if epoch is not None and epoch != tracker.epoch:
-                stale(tracker, event, epoch)
-                return False
+                return stale(tracker, event, epoch, data)
             try:
-                dest, callbacks, index, guard = fast[event][state]
+                dest, callbacks, index, guard, rest = fast[event][state]
             except KeyError:
                 return illegal(tracker, event)
             if guard is not None:
                 try:
-                    allowed = guard(tracker)
+                    allowed = guard(tracker, data)
                 except Exception as exc:  # noqa: BLE001 - policy below
                     return failed(tracker, state, tracker.epoch, event, exc)
                 if not allowed:
-                    return guarded(tracker, event)
+                    chosen = choose(tracker, event, data, rest)
+                    if chosen is None:
+                        return False
+                    dest, callbacks, index, _ = chosen
             if callbacks:
                 before = tracker.epoch
                 tracker.state = dest
                 try:
                     for callback in callbacks:
-                        callback(tracker)
+                        callback(tracker, data)
                 except Exception as exc:  # noqa: BLE001 - policy below
                     return failed(tracker, state, before, event, exc)
             else:
@@ -278,13 +364,23 @@ class LifecycleMachine(Generic[S, E, T]):
             return True
 
         def fire_locked(
-            tracker: T, event: E, *, epoch: int | None = None
+            tracker: T,
+            event: E,
+            *,
+            epoch: int | None = None,
+            data: D | None = None,
         ) -> bool:
             with lock:
-                return fire_unlocked(tracker, event, epoch=epoch)
+                if busy[0]:
+                    raise ReentrantFire(event, tracker.req_id, machine.name)
+                busy[0] = True
+                try:
+                    return fire_unlocked(tracker, event, epoch, data)
+                finally:
+                    busy[0] = False
 
         chosen = fire_locked if self.thread_safe else fire_unlocked
-        chosen.__doc__ = _FIRE_DOC
+        chosen.__doc__ = "Apply `event` to `tracker`: `LifecycleMachine.fire`."
         return chosen
 
     # -- the typed event API ----------------------------------------------
@@ -293,45 +389,18 @@ class LifecycleMachine(Generic[S, E, T]):
         """Whether `event` has a row for the tracker's state (guards aside)."""
         return tracker.state in self._dispatch[event]
 
-    def fire_stock(self, tracker: T, event: E) -> bool:
-        """Apply `event` through transitions' stock trigger path.
-
-        Same table, same callbacks, same result as `fire` for callbacks
-        that do not raise (checked by a differential test); 10-20 times
-        slower.  No counters, no policy: an illegal event returns False
-        and transitions logs its own warning.  The test oracle.
-        """
-        with self._lock:
-            return bool(self._tx.events[event_name(event)].trigger(tracker))
-
-    def stock_trigger(self, event: E) -> Callable[[T], bool]:
-        """transitions' own trigger for `event`, unlocked (benchmarks)."""
-        trigger = self._tx.events[event_name(event)].trigger
-
-        def stock(tracker: T) -> bool:
-            return bool(trigger(tracker))
-
-        return stock
-
-    def stock_graph(self) -> tuple[frozenset[str], frozenset[tuple[S, E, S]]]:
-        """The `transitions` machine's state names and (src, event, dst).
-
-        For `lifecycle.testing.machine_mismatches`.
-        """
-        table = self.table
-        edges = frozenset(
-            (
-                table.state_named(src),
-                table.event_named(name),
-                table.state_named(str(t.dest)),
-            )
-            for name, ev in self._tx.events.items()
-            for src, trans in ev.transitions.items()
-            for t in trans
-        )
-        return frozenset(self._tx.states), edges
-
     # -- policy -----------------------------------------------------------
+
+    def _fields(
+        self, tracker: Tracker[Any], state: S | None, event: E
+    ) -> dict[str, object]:
+        return {
+            "table": self.table.name,
+            "req_id": tracker.req_id,
+            "epoch": tracker.epoch,
+            "state": None if state is None else state.name,
+            "event": event_name(event),
+        }
 
     def _illegal(self, tracker: T, event: E) -> bool:
         if event not in self._dispatch:
@@ -341,44 +410,83 @@ class LifecycleMachine(Generic[S, E, T]):
             )
             raise TypeError(msg)
         state: S = tracker.state
-        self.illegal_counts[(state, event)] += 1
+        self._illegal_counts[(state, event)] += 1
         for observer in self._reject_observers:
-            observer(tracker.req_id, tracker.epoch, state, event, None)
+            observer(
+                tracker.req_id, tracker.epoch, state, event, None, ILLEGAL
+            )
         if self.strict:
             raise IllegalTransition(
-                state, event, tracker.req_id, tracker.epoch
+                state, event, tracker.req_id, tracker.epoch, self.table.name
             )
         self._illegal_log.emit(
             (state, event),
             "illegal lifecycle event (ignored):",
-            {
-                "req_id": tracker.req_id,
-                "epoch": tracker.epoch,
-                "state": state.name,
-                "event": event_name(event),
-            },
+            self._fields(tracker, state, event),
         )
         return False
 
-    def _stale(self, tracker: T, event: E, epoch: int) -> None:
+    def _choose(
+        self, tracker: T, event: E, data: D | None, rest: tuple[_Alt, ...]
+    ) -> _Alt | None:
+        """The first alternative after the first whose guard passes.
+
+        None when every guard refused (policy applied) or one raised.
+        """
         state: S = tracker.state
-        self.stale_counts[(state, event)] += 1
+        for alt in rest or ():
+            guard = alt[3]
+            if guard is None:
+                return alt
+            try:
+                if guard(tracker, data):
+                    return alt
+            except Exception as exc:  # noqa: BLE001 - the failure policy
+                self._failed(tracker, state, tracker.epoch, event, exc)
+                return None
+        self._refused(tracker, event)
+        return None
+
+    def _refused(self, tracker: T, event: E) -> None:
+        state: S = tracker.state
+        self._guard_counts[(state, event)] += 1
         for observer in self._reject_observers:
-            observer(tracker.req_id, tracker.epoch, state, event, epoch)
+            observer(
+                tracker.req_id, tracker.epoch, state, event, None, REFUSED
+            )
+        if self.strict:
+            raise GuardRefused(
+                state,
+                event,
+                tracker.req_id,
+                tracker.epoch,
+                self.table.rows_for(state, event),
+                self.table.name,
+            )
+        self._refused_log.emit(
+            ("refused", state, event),
+            "lifecycle event refused by every guard (ignored):",
+            self._fields(tracker, state, event),
+        )
+
+    def _stale(self, tracker: T, event: E, epoch: int, data: D | None) -> bool:
+        state: S = tracker.state
+        self._stale_counts[(state, event)] += 1
+        for observer in self._reject_observers:
+            observer(tracker.req_id, tracker.epoch, state, event, epoch, STALE)
         self._stale_log.emit(
             ("stale", event),
             "stale lifecycle event (ignored):",
-            {
-                "req_id": tracker.req_id,
-                "epoch": tracker.epoch,
-                "job_epoch": epoch,
-                "state": state.name,
-                "event": event_name(event),
-            },
+            self._fields(tracker, state, event) | {"job_epoch": epoch},
         )
-
-    def _guarded(self, tracker: T, event: E) -> bool:
-        self.guard_counts[(tracker.state, event)] += 1
+        always = self._always.get(event)
+        if always:
+            current = tracker.epoch
+            try:
+                for callback in always:
+                    callback(tracker, data)
+            except Exception as exc:  # noqa: BLE001 - the failure policy
+                self._failed(tracker, state, current, event, exc)
         return False
 
     def _failed(
@@ -387,24 +495,22 @@ class LifecycleMachine(Generic[S, E, T]):
         """A guard or callback raised: restore, count, log (or re-raise)."""
         tracker.state = state
         tracker.epoch = epoch
-        self.callback_errors[(state, event)] += 1
+        if isinstance(exc, ReentrantFire):
+            raise exc
+        self._callback_errors[(state, event)] += 1
         if self.strict:
             raise exc
         self._error_log.emit(
             ("callback", state, event),
             "lifecycle callback failed (event refused):",
-            {
-                "req_id": tracker.req_id,
-                "epoch": epoch,
-                "state": state.name,
-                "event": event_name(event),
-                "error": repr(exc),
-            },
+            self._fields(tracker, state, event) | {"error": repr(exc)},
         )
         return False
 
-    def unknown(self, req_id: str, event: E) -> bool:
+    def unknown(self, req_id: object, event: E) -> bool:
         """Apply the illegal-ordering policy to an event for an unknown id.
+
+        `Registry.fire` calls it for an id it does not track.
 
         Returns:
             False (the event was not applied).
@@ -413,15 +519,22 @@ class LifecycleMachine(Generic[S, E, T]):
             UnknownRequest: in strict mode.
         """
         with self._lock:
-            self.illegal_counts[(None, event)] += 1
+            if self._busy[0]:
+                raise ReentrantFire(event, req_id, self.name)
+            self._illegal_counts[(None, event)] += 1
             for observer in self._reject_observers:
-                observer(req_id, None, None, event, None)
+                observer(req_id, None, None, event, None, ILLEGAL)
             if self.strict:
-                raise UnknownRequest(event, req_id)
+                raise UnknownRequest(event, req_id, self.table.name)
             self._illegal_log.emit(
                 (None, event),
                 "lifecycle event for unknown request (ignored):",
-                {"req_id": req_id, "state": None, "event": event_name(event)},
+                {
+                    "table": self.table.name,
+                    "req_id": req_id,
+                    "state": None,
+                    "event": event_name(event),
+                },
             )
             return False
 
@@ -433,7 +546,7 @@ class LifecycleMachine(Generic[S, E, T]):
             self._observers = (*self._observers, observer)
 
     def add_reject_observer(self, observer: RejectObserver[S, E]) -> None:
-        """Call `observer` for every illegal or stale event."""
+        """Call `observer` for every illegal, stale or refused event."""
         with self._lock:
             self._reject_observers = (*self._reject_observers, observer)
 
@@ -447,7 +560,7 @@ class LifecycleMachine(Generic[S, E, T]):
                 o for o in self._reject_observers if o is not observer
             )
 
-    def transition_counts(self) -> dict[Row[S, E], int]:
+    def transition_counts(self) -> dict[Row[S, E, D], int]:
         """How often each row applied, for every row (zeros included)."""
         with self._lock:
             return dict(zip(self._rows, self._counts, strict=True))
@@ -462,38 +575,14 @@ class LifecycleMachine(Generic[S, E, T]):
     ) -> tuple[dict[tuple[S | None, E], int], dict[tuple[S, E], int]]:
         """Copies of `illegal_counts` and `stale_counts`, under the lock."""
         with self._lock:
-            return dict(self.illegal_counts), dict(self.stale_counts)
+            return dict(self._illegal_counts), dict(self._stale_counts)
+
+    def refused_counts(self) -> dict[tuple[S, E], int]:
+        """A copy of `guard_counts`, under the lock."""
+        with self._lock:
+            return dict(self._guard_counts)
 
     @property
     def illegal_total(self) -> int:
         """Illegal orderings seen so far (unknown ids included)."""
-        return sum(self.illegal_counts.values())
-
-
-def _stock_machine(table: Table[Any, Any]) -> Machine:
-    """The private `transitions.Machine` of `table` (no model)."""
-    config = [
-        {
-            "trigger": event_name(r.event),
-            "source": r.source,
-            "dest": r.dest,
-            "after": [_TxCallback(cb) for cb in r.after],
-            "conditions": [_TxGuard(r.guard)] if r.guard is not None else [],
-        }
-        for r in table.rows
-    ]
-    machine = Machine(
-        model=None,
-        states=list(table.states),
-        transitions=config,
-        initial=table.initial,
-        auto_transitions=False,
-        ignore_invalid_triggers=True,
-        send_event=True,
-        name=table.name,
-    )
-    for state, hooks in table.on_enter.items():
-        tx_state = machine.get_state(state.name)
-        for hook in hooks:
-            tx_state.add_callback("enter", _TxCallback(hook))
-    return machine
+        return sum(self._illegal_counts.values())

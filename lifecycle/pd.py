@@ -118,12 +118,12 @@ class ProducerTracker(Tracker[ProducerState]):
     deadline: float = 0.0
 
 
-def start_send(tracker: ProducerTracker) -> None:
+def start_send(tracker: ProducerTracker, _data: object = None) -> None:
     """Entering SENDING: the blocks are held for the peer."""
     tracker.sends += 1
 
 
-def release_blocks(tracker: ProducerTracker) -> None:
+def release_blocks(tracker: ProducerTracker, _data: object = None) -> None:
     """Leaving SENDING: vLLM must be told, once, to free the blocks."""
     tracker.release = True
 
@@ -185,12 +185,12 @@ class ConsumerTracker(Tracker[ConsumerState]):
     recompute: bool = False
 
 
-def settle_receive(tracker: ConsumerTracker) -> None:
+def settle_receive(tracker: ConsumerTracker, _data: object = None) -> None:
     """A receive completion was applied (success or failure)."""
     tracker.receives += 1
 
 
-def mark_recompute(tracker: ConsumerTracker) -> None:
+def mark_recompute(tracker: ConsumerTracker, _data: object = None) -> None:
     """The received KV is unusable: vLLM recomputes it."""
     tracker.recompute = True
 

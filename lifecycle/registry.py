@@ -1,112 +1,286 @@
 """The caller's map from request id to tracker, with the lifecycle policy.
 
-A connector keeps exactly one `Registry`: it is the only per-request map.
-Events for unknown ids get the same policy as illegal orderings (counted,
-logged at a bounded rate, raised in strict mode), and a tracker is dropped
-the moment it reaches a terminal state, so finished requests leave nothing
-behind.
+A connector keeps exactly one `Registry` per lifecycle: it is the only
+per-request (or per-resource) map.  Events for unknown ids get the same
+policy as illegal orderings (counted, logged at a bounded rate, raised in
+strict mode), and a tracker is dropped the moment it reaches a terminal
+state, so finished requests leave nothing behind.
+
+Firing: `Registry.fire` by id, `Registry.fire_on` with the tracker in hand
+(the fast path, same policy), `Registry.fire_if_tracked` for a completion
+that may legitimately outlive its request.
+
+Identity: a key (any hashable: a request id, a block hash) names one
+tracker at a time.  When a key is reused after its tracker ended, the new
+tracker's epoch continues above the old one's, so a completion issued for
+the earlier incarnation is stale, never applied to the new one.
+
+Threads: every method may be called from any thread.  Transitions are
+serialised by the machine's lock; creating and dropping trackers are
+atomic, so two threads never get two trackers for one key.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+import warnings
+from collections.abc import Hashable, Iterator
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, overload
 
+import attrs
+
+from lifecycle._generic import Padded
 from lifecycle.machine import LifecycleMachine
 from lifecycle.tracker import Tracker, check_tracker_class
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar
+
+    D = TypeVar("D", default=Any)
+else:
+    from typing import TypeVar
+
+    D = TypeVar("D")
+
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
-T = TypeVar("T", bound=Tracker[Any])
+T = TypeVar("T", bound=Tracker[Any, Any])
+T_co = TypeVar("T_co", covariant=True)
 
 
-class Registry(Generic[S, E, T]):
-    """Live trackers by request id, all driven by one shared machine.
+class TrackerFactory(Protocol[T_co]):
+    """Builds the tracker of a new key, in the table's initial state."""
+
+    def __call__(self, req_id: Any, /) -> T_co:
+        """A new tracker for `req_id`."""
+
+
+RETIRED_KEYS: Final = 16_384
+"""Ended keys whose last epoch a registry remembers individually."""
+
+
+class Registry(Padded, Generic[S, E, T, D]):
+    """Live trackers by key, all driven by one shared machine.
 
     Args:
         machine: The shared lifecycle machine.
-        factory: Builds a tracker for a new request id, in the table's
-            initial state: usually the tracker class itself.
+        factory: Builds a tracker for a new key, in the table's initial
+            state: usually the tracker class itself.  The base `Tracker`
+            class is accepted too: its trackers start in the table's
+            initial state.
+        continue_epochs: Start the tracker of a reused key above its
+            predecessor's epoch (the default), so that predecessor's
+            completions are stale.  False restarts at 0: only for a
+            registry that mirrors another one's epochs (it learns them
+            from the jobs it is given).
 
     Raises:
         TypeError: the factory is a tracker class that would be slow or
-            compare by value (see `lifecycle.define_tracker`); for other
-            factories, at the first tracker of such a class.
+            compare by value (see `lifecycle.define_tracker`), or whose
+            default state is not the table's initial state; for other
+            factories, at the first tracker that is.
     """
 
-    __slots__ = ("_checked", "_factory", "_terminal", "_trackers", "machine")
+    __slots__ = (
+        "_checked",
+        "_continue",
+        "_factory",
+        "_floor",
+        "_lock",
+        "_retired",
+        "_terminal",
+        "_trackers",
+        "machine",
+    )
+
+    @overload
+    def __init__(
+        self,
+        machine: LifecycleMachine[S, E, T, D],
+        factory: TrackerFactory[T],
+        *,
+        continue_epochs: bool = True,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: Registry[S, E, Tracker[S, Hashable], D],
+        machine: LifecycleMachine[S, E, Tracker[S, Hashable], D],
+        factory: type[Tracker[S, Hashable]],
+        *,
+        continue_epochs: bool = True,
+    ) -> None: ...
 
     def __init__(
-        self, machine: LifecycleMachine[S, E, Any], factory: Callable[[str], T]
+        self,
+        machine: LifecycleMachine[S, E, Any, D],
+        factory: Any,
+        *,
+        continue_epochs: bool = True,
     ) -> None:
         self.machine = machine
-        self._factory = factory
-        self._trackers: dict[str, T] = {}
+        self._continue = continue_epochs
+        """The shared machine (its table, counters and observers)."""
+        table = machine.table
+        self._trackers: dict[Hashable, T] = {}
+        self._retired: dict[Hashable, int] = {}
+        self._floor = 0
+        self._lock = machine._lock  # noqa: SLF001 - one lock per lifecycle
         # A tuple: `in` compares by identity first (no Enum.__hash__).
-        self._terminal: tuple[S, ...] = tuple(machine.table.terminal)
+        self._terminal: tuple[S, ...] = tuple(table.terminal)
         self._checked: type | None = None
         if isinstance(factory, type):
             check_tracker_class(factory)
             self._checked = factory
+            default = attrs.fields(factory).state.default
+            if default is attrs.NOTHING:
+                initial = table.initial
+                cls = factory
 
-    def get(self, req_id: str) -> T | None:
+                def at_initial(req_id: Hashable) -> Any:
+                    return cls(req_id, initial)
+
+                factory = at_initial
+            elif default is not table.initial:
+                raise TypeError(_wrong_start(factory, default, table.name))
+        self._factory: TrackerFactory[T] = factory
+
+    def __repr__(self) -> str:
+        return f"Registry({self.machine.table.name!r}, {len(self)} live)"
+
+    def get(self, req_id: Hashable) -> T | None:
         """The live tracker for `req_id`, or None."""
         return self._trackers.get(req_id)
 
-    def get_or_create(self, req_id: str) -> T:
-        """The live tracker for `req_id`, created in the initial state."""
+    def get_or_create(self, req_id: Hashable) -> T:
+        """The live tracker for `req_id`, created in the initial state.
+
+        A new tracker for a key whose earlier tracker ended starts at an
+        epoch above every epoch of that earlier one.
+        """
         tracker = self._trackers.get(req_id)
         if tracker is None:
+            tracker = self._create(req_id)
+        return tracker
+
+    def _create(self, req_id: Hashable) -> T:
+        with self._lock:
+            tracker = self._trackers.get(req_id)
+            if tracker is not None:
+                return tracker  # another thread created it meanwhile
             tracker = self._factory(req_id)
             if type(tracker) is not self._checked:
-                check_tracker_class(type(tracker))
-                self._checked = type(tracker)
+                self._check(tracker)
+            start = self._retired.pop(req_id, self._floor)
+            if start:
+                tracker.epoch = start
             self._trackers[req_id] = tracker
-        return tracker
+            return tracker
+
+    def _check(self, tracker: T) -> None:
+        check_tracker_class(type(tracker))
+        table = self.machine.table
+        if tracker.state is not table.initial:
+            raise TypeError(
+                _wrong_start(type(tracker), tracker.state, table.name)
+            )
+        self._checked = type(tracker)
 
     def fire(
         self,
-        req_id: str,
+        req_id: Hashable,
         event: E,
         *,
         epoch: int | None = None,
-        known: bool = True,
+        data: D | None = None,
+        known: bool | None = None,
     ) -> bool:
         """Fire `event` on the tracker of `req_id`; drop it if it ended.
 
+        An id the registry does not track is an illegal ordering (the
+        policy applies: counted, logged, `UnknownRequest` in strict mode);
+        see `fire_if_tracked` for events that may arrive after the end.
+
         Args:
-            req_id: The request id.
+            req_id: The key.
             event: The event.
             epoch: The epoch of the transfer job reporting, if any.
-            known: Whether the caller expects the id to be tracked.  An
-                unknown id is then an illegal ordering (policy applies);
-                with False it is silently ignored (e.g. a save completing
-                after its request finished, which is normal).
+            data: Passed to the guards and callbacks the event runs.
+            known: Deprecated: ``known=False`` is `fire_if_tracked`.
 
         Returns:
             Whether a transition applied.
         """
+        if known is not None:
+            warnings.warn(
+                "Registry.fire(known=...) is deprecated: use "
+                "Registry.fire_if_tracked for events that may arrive "
+                "after the tracker ended",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         tracker = self._trackers.get(req_id)
         if tracker is None:
-            return self.machine.unknown(req_id, event) if known else False
-        return self.fire_on(tracker, event, epoch=epoch)
+            if known is False:
+                return False
+            return self.machine.unknown(req_id, event)
+        return self.fire_on(tracker, event, epoch=epoch, data=data)
+
+    def fire_if_tracked(
+        self,
+        req_id: Hashable,
+        event: E,
+        *,
+        epoch: int | None = None,
+        data: D | None = None,
+    ) -> bool:
+        """`fire`, but an untracked id is silently ignored (returns False).
+
+        For completions that may normally outlive their tracker (a save
+        finishing after its request ended).
+        """
+        tracker = self._trackers.get(req_id)
+        if tracker is None:
+            return False
+        return self.fire_on(tracker, event, epoch=epoch, data=data)
 
     def fire_on(
-        self, tracker: T, event: E, *, epoch: int | None = None
+        self,
+        tracker: T,
+        event: E,
+        *,
+        epoch: int | None = None,
+        data: D | None = None,
     ) -> bool:
         """Fire `event` on `tracker`; drop it from the registry if it ended.
 
-        "Ended" means a state in the table's ``terminal`` set.
+        The fast path of `fire` for a caller holding the tracker.  "Ended"
+        means a state in the table's ``terminal`` set.
         """
-        applied = self.machine.fire(tracker, event, epoch=epoch)
+        applied = self.machine.fire(tracker, event, epoch=epoch, data=data)
         if applied and tracker.state in self._terminal:
-            self._trackers.pop(tracker.req_id, None)
+            self._drop(tracker)
         return applied
 
-    def discard(self, req_id: str) -> T | None:
+    def _drop(self, tracker: T) -> None:
+        key = tracker.req_id
+        with self._lock:
+            if self._trackers.get(key) is tracker:
+                del self._trackers[key]
+            if not self._continue:
+                return
+            retired = self._retired
+            retired[key] = max(retired.get(key, 0), tracker.epoch + 1)
+            if len(retired) > RETIRED_KEYS:
+                oldest = next(iter(retired))
+                self._floor = max(self._floor, retired.pop(oldest))
+
+    def discard(self, req_id: Hashable) -> T | None:
         """Forget `req_id` without an event (e.g. at shutdown)."""
-        return self._trackers.pop(req_id, None)
+        tracker = self._trackers.get(req_id)
+        if tracker is not None:
+            self._drop(tracker)
+        return tracker
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._trackers
@@ -116,3 +290,11 @@ class Registry(Generic[S, E, T]):
 
     def __iter__(self) -> Iterator[T]:
         return iter(list(self._trackers.values()))
+
+
+def _wrong_start(cls: type, state: object, table: str) -> str:
+    return (
+        f"tracker class {cls.__qualname__} starts in {state!r}, not in the "
+        f"initial state of table {table!r}: redeclare `state` with the "
+        "table's initial state as its default"
+    )

@@ -85,15 +85,24 @@ def _grouped(table: AnyTable) -> list[tuple[Any, Any, list[AnyRow]]]:
     ]
 
 
+def _guard(row: AnyRow) -> str:
+    """`` [guard]`` for a guarded row, else empty."""
+    return "" if row.guard is None else f" [{callback_name(row.guard)}]"
+
+
+def _callbacks(row: AnyRow) -> str:
+    """``after`` names, then ``always`` names marked as such."""
+    names = [callback_name(c) for c in row.after]
+    names += [f"always {callback_name(c)}" for c in row.always]
+    return ", ".join(names)
+
+
 def _label(rows: list[AnyRow]) -> str:
     return "\\n".join(
         _escape(
             event_name(r.event)
-            + (
-                f" / {', '.join(map(callback_name, r.after))}"
-                if r.after
-                else ""
-            )
+            + _guard(r)
+            + (f" / {_callbacks(r)}" if _callbacks(r) else "")
         )
         for r in rows
     )
@@ -186,7 +195,7 @@ def to_mermaid(table: AnyTable) -> str:
     )
     lines.append(f"    [*] --> {ids[table.initial]}")
     for src, dst, rows in _grouped(table):
-        label = ", ".join(event_name(r.event) for r in rows)
+        label = ", ".join(event_name(r.event) + _guard(r) for r in rows)
         lines.append(f"    {ids[src]} --> {ids[dst]} : {label}")
     lines.extend(
         f"    {ids[state]} --> [*]"
@@ -197,19 +206,31 @@ def to_mermaid(table: AnyTable) -> str:
 
 
 def to_markdown(table: AnyTable) -> str:
-    """The table as a Markdown table: one row per transition."""
+    """The table as a Markdown table: one row per transition.
+
+    A table with guards gets a Guard column; guarded alternatives keep
+    their table order (the order they are tried in).
+    """
     order = _state_order(table)
-    out = [
-        "| From | Event | To | Callbacks |",
-        "|---|---|---|---|",
-    ]
-    out.extend(
-        f"| {r.source.name} | `{event_name(r.event)}` | {r.dest.name} | "
-        f"{', '.join(f'`{callback_name(c)}`' for c in r.after) or '—'} |"
-        for r in sorted(
-            table.rows, key=lambda r: (order[r.source], event_name(r.event))
-        )
+    guarded = any(r.guard is not None for r in table.rows)
+    out = (
+        ["| From | Event | Guard | To | Callbacks |", "|---|---|---|---|---|"]
+        if guarded
+        else ["| From | Event | To | Callbacks |", "|---|---|---|---|"]
     )
+    for r in sorted(
+        table.rows, key=lambda r: (order[r.source], event_name(r.event))
+    ):
+        names = [f"`{callback_name(c)}`" for c in r.after]
+        names += [f"always `{callback_name(c)}`" for c in r.always]
+        guard = (
+            f" `{callback_name(r.guard)}` |" if r.guard is not None else " — |"
+        )
+        out.append(
+            f"| {r.source.name} | `{event_name(r.event)}` |"
+            f"{guard if guarded else ''} {r.dest.name} | "
+            f"{', '.join(names) or '—'} |"
+        )
     return "\n".join(out) + "\n"
 
 

@@ -32,16 +32,26 @@ instance; a connector author writes their own the same way::
 
 Rules
 -----
-* One row per (state, event).  An event with no row for the tracker's
-  current state is an *illegal ordering*: a counted, logged no-op (strict
-  mode raises `IllegalTransition`).
+* An event with no row for the tracker's current state is an *illegal
+  ordering*: a counted, logged no-op (strict mode raises
+  `IllegalTransition`).
+* Several rows may share a (state, event) as *guarded alternatives*: they
+  are tried in table order and the first whose guard passes applies.  An
+  unguarded row shadows every later row of its pair (a validation error).
+  When every guard refuses, the event is *refused*: a counted, logged
+  no-op, traced, raised in strict mode (`GuardRefused`).
 * Terminal states (``terminal=``) have no exits; a `Registry` drops a
   tracker the moment it reaches one.  "Terminal" is decided by the table,
-  never by a property of the enum.
+  never by a property of the enum.  ``terminal=()`` declares a cyclic
+  lifecycle (no end; no dead ends either).
 * ``total_events`` must be accepted by every non-terminal state.
 * Rows hold their callbacks as callables (``after=``), plus an optional
-  ``guard``; states may have enter hooks (``on_enter=``).  Callbacks only
-  touch the tracker; they never fire events.
+  ``guard``; states may have enter hooks (``on_enter=``).  Every callback
+  and guard is called ``(tracker, data)``: ``data`` is what the caller
+  passed as ``fire(..., data=)`` (None by default), typed by the table's
+  third parameter ``D``.  ``always=`` names callbacks that also run for a
+  stale completion of the row's event, in any state.  Callbacks only touch
+  the tracker (and their data); they never fire events.
 
 Building a `Table` validates it and reports every defect at once in one
 `InvalidTable`.
@@ -51,24 +61,37 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import inspect
 import json
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic
 
 import attrs
 
+from lifecycle._generic import Padded
 from lifecycle.errors import InvalidTable, TableProblem
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar
+else:
+    from typing import TypeVar
 
 S = TypeVar("S", bound=enum.Enum)
 """The state enum of a table."""
 E = TypeVar("E", bound=enum.Enum)
 """The event enum of a table."""
+if TYPE_CHECKING:
+    D = TypeVar("D", default=Any)
+else:
+    D = TypeVar("D")
+"""The event data a table's callbacks receive (``fire(..., data=)``)."""
 
-Callback = Callable[[Any], object]
-"""A row or enter callback: takes the tracker, returns nothing useful."""
-Guard = Callable[[Any], bool]
-"""A row guard: takes the tracker, says whether the row may apply."""
+Callback = Callable[[Any, Any], object]
+"""A row or enter callback: takes the tracker and the event's data."""
+Guard = Callable[[Any, Any], bool]
+"""A row guard: takes the tracker and the event's data, says whether the
+row may apply."""
 
 
 def event_name(event: enum.Enum) -> str:
@@ -86,7 +109,7 @@ def callback_name(callback: object) -> str:
 
 
 @attrs.frozen
-class Row(Generic[S, E]):
+class Row(Padded, Generic[S, E, D]):
     """One legal transition: `event` in `source` moves to `dest`.
 
     Attributes:
@@ -94,20 +117,35 @@ class Row(Generic[S, E]):
         event: The event.
         dest: The state after the event (may equal `source`).
         after: Callables run after the state change, in order, each with
-            the tracker.  If one raises, the event is refused (see
-            `LifecycleMachine`).
-        guard: Optional predicate on the tracker; when it returns False
-            the event is refused without a state change (counted in
-            `LifecycleMachine.guard_counts`, not an illegal ordering).
+            the tracker and the event's data (``fire(..., data=)``, None
+            when the caller gives none).  If one raises, the event is
+            refused (see `LifecycleMachine`).
+        guard: Optional predicate on the tracker and the event's data;
+            when it returns False the event is refused without a state
+            change (counted in `LifecycleMachine.guard_counts`, not an
+            illegal ordering).
+        always: Callables that run after `after` when the row applies,
+            and also, alone and without a state change, for every *stale*
+            completion of `event` (an older epoch), whatever the tracker's
+            state then: work that must happen whatever the epoch, such as
+            settling what the completing job held.
 
-    Rows compare and hash by (source, event, dest) only.
+    Rows compare and hash by (source, event, dest, guard).  Several rows
+    may share a (source, event) when all but the last have a guard: they
+    are tried in table order and the first whose guard passes applies
+    (*guarded alternatives*).
     """
 
     source: S
     event: E
     dest: S
-    after: tuple[Callback, ...] = attrs.field(default=(), eq=False)
-    guard: Guard | None = attrs.field(default=None, eq=False)
+    after: tuple[Callable[[Any, D], object], ...] = attrs.field(
+        default=(), eq=False
+    )
+    guard: Callable[[Any, D], bool] | None = attrs.field(default=None)
+    always: tuple[Callable[[Any, D], object], ...] = attrs.field(
+        default=(), eq=False
+    )
 
     def __str__(self) -> str:
         return (
@@ -116,21 +154,26 @@ class Row(Generic[S, E]):
         )
 
 
-class Table(Generic[S, E]):
+class Table(Padded, Generic[S, E, D]):
     """A validated, frozen transition table over state enum ``S``.
 
     Args:
         rows: The transitions.
         initial: The state new trackers start in.
-        terminal: States that end a lifecycle (no exits).
+        terminal: States that end a lifecycle (no exits).  Required: pass
+            ``()`` for a *cyclic* lifecycle that never ends (a cache
+            block): validation then requires every state to be reachable
+            and to have a row to another state, instead of a way to a
+            terminal state.
         total_events: Events every non-terminal state must accept.
         states: Every state, in display order (default: every member of
             the initial state's enum).
         events: Every event (default: every member of the rows' event
             enum).
-        on_enter: Per-state enter hooks: callables run, with the tracker,
-            on every row whose `dest` is that state (self-loops included,
-            as in `transitions`), before the row's `after` callbacks.
+        on_enter: Per-state enter hooks: callables run, with the tracker
+            and the event's data, on every row whose `dest` is that state
+            (self-loops included, as in `transitions`), before the row's
+            `after` callbacks.
         name: A short identifier: diagram file stem and trace label.
         title: The diagram title (default: `name`).
 
@@ -154,18 +197,19 @@ class Table(Generic[S, E]):
 
     def __init__(
         self,
-        rows: Iterable[Row[S, E]],
+        rows: Iterable[Row[S, E, D]],
         *,
         initial: S,
         terminal: Iterable[S],
         total_events: Iterable[E] = (),
         states: Iterable[S] | None = None,
         events: Iterable[E] | None = None,
-        on_enter: Mapping[S, Sequence[Callback]] | None = None,
+        on_enter: Mapping[S, Sequence[Callable[[Any, D], object]]]
+        | None = None,
         name: str = "lifecycle",
         title: str | None = None,
     ) -> None:
-        self.rows: tuple[Row[S, E], ...] = tuple(rows)
+        self.rows: tuple[Row[S, E, D], ...] = tuple(rows)
         self.initial: S = initial
         self.states: tuple[S, ...] = (
             tuple(type(initial)) if states is None else tuple(states)
@@ -176,7 +220,7 @@ class Table(Generic[S, E]):
         self.events: tuple[E, ...] = tuple(events)
         self.terminal: frozenset[S] = frozenset(terminal)
         self.total_events: tuple[E, ...] = tuple(total_events)
-        self.on_enter: dict[S, tuple[Callback, ...]] = {
+        self.on_enter: dict[S, tuple[Callable[[Any, D], object], ...]] = {
             s: tuple(cbs) for s, cbs in (on_enter or {}).items()
         }
         self.name = name
@@ -184,9 +228,10 @@ class Table(Generic[S, E]):
         problems = self._problems()
         if problems:
             raise InvalidTable(problems)
-        self._by_key: dict[tuple[S, E], Row[S, E]] = {
-            (r.source, r.event): r for r in self.rows
-        }
+        self._by_key: dict[tuple[S, E], tuple[Row[S, E, D], ...]] = {}
+        for r in self.rows:
+            key = (r.source, r.event)
+            self._by_key[key] = (*self._by_key.get(key, ()), r)
         self.fingerprint: str = self._fingerprint()
 
     def __repr__(self) -> str:
@@ -200,32 +245,63 @@ class Table(Generic[S, E]):
         """The state enum."""
         return type(self.initial)
 
-    def get(self, state: S, event: E) -> Row[S, E] | None:
-        """The row for `event` in `state`, or None if it is illegal there."""
-        return self._by_key.get((state, event))
+    def get(self, state: S, event: E) -> Row[S, E, D] | None:
+        """The (first) row for `event` in `state`, None if it is illegal.
+
+        Guarded alternatives share a (state, event): see `rows_for`.
+        """
+        rows = self._by_key.get((state, event))
+        return None if rows is None else rows[0]
+
+    def rows_for(self, state: S, event: E) -> tuple[Row[S, E, D], ...]:
+        """Every row for `event` in `state`, in the order they are tried."""
+        return self._by_key.get((state, event), ())
 
     def events_from(self, state: S) -> tuple[E, ...]:
-        """The events accepted in `state`, in table order."""
-        return tuple(r.event for r in self.rows if r.source is state)
+        """The events accepted in `state`, in table order, each once."""
+        return tuple(
+            dict.fromkeys(r.event for r in self.rows if r.source is state)
+        )
 
     def dest(self, state: S, event: E) -> S | None:
-        """Where `event` in `state` leads, or None if it is illegal there."""
-        row = self._by_key.get((state, event))
+        """Where `event` in `state` leads (its first row), None if illegal."""
+        row = self.get(state, event)
         return None if row is None else row.dest
 
-    def callbacks(self, row: Row[S, E]) -> tuple[Callback, ...]:
-        """What applying `row` runs, in order: enter hooks, then `after`."""
-        return (*self.on_enter.get(row.dest, ()), *row.after)
+    def callbacks(self, row: Row[S, E, D]) -> tuple[Callback, ...]:
+        """What applying `row` runs: enter hooks, `after`, then `always`."""
+        return (*self.on_enter.get(row.dest, ()), *row.after, *row.always)
 
-    def without_callbacks(self) -> Table[S, E]:
-        """This table's structure with no callbacks, guards or enter hooks.
+    def stale_callbacks(self, event: E) -> tuple[Callback, ...]:
+        """What a stale `event` runs, in any state: its rows' `always`.
+
+        Each callable once, in table order.
+        """
+        seen: list[Callback] = []
+        for row in self.rows:
+            if row.event is event:
+                seen.extend(cb for cb in row.always if cb not in seen)
+        return tuple(seen)
+
+    def without_callbacks(self) -> Table[S, E, D]:
+        """This table's structure with no callbacks or enter hooks.
 
         Same states, rows, fingerprint and name; for trace replay and
         reachability checks, where the tracker data callbacks read is
-        absent.
+        absent.  A guard becomes a *route*: it passes when the event's
+        data is None or the row's `dest`, so replay chooses among guarded
+        alternatives by the recorded outcome (``data=dest``).
         """
         return Table(
-            [Row(r.source, r.event, r.dest) for r in self.rows],
+            [
+                Row(
+                    r.source,
+                    r.event,
+                    r.dest,
+                    guard=None if r.guard is None else Route(r.dest),
+                )
+                for r in self.rows
+            ],
             initial=self.initial,
             terminal=self.terminal,
             total_events=self.total_events,
@@ -307,12 +383,11 @@ class Table(Generic[S, E]):
         )
         problems.extend(
             TableProblem(
-                "bad-callback",
-                f"enter hook {cb!r} of {s.name} is not callable",
+                "bad-callback", f"enter hook {cb!r} of {s.name} {why}"
             )
             for s, cbs in self.on_enter.items()
             for cb in cbs
-            if not callable(cb)
+            if (why := _callback_problem(cb))
         )
         events = set(self.events)
         problems.extend(
@@ -327,7 +402,7 @@ class Table(Generic[S, E]):
 
     def _row_problems(self, declared: set[S]) -> list[TableProblem]:
         problems = []
-        seen: dict[tuple[S, E], Row[S, E]] = {}
+        seen: dict[tuple[S, E], Row[S, E, D]] = {}
         events = set(self.events)
         for row in self.rows:
             unknown = [s for s in (row.source, row.dest) if s not in declared]
@@ -351,15 +426,22 @@ class Table(Generic[S, E]):
                 )
             key = (row.source, row.event)
             if key in seen:
+                # `seen` holds the last unguarded row of the pair, if any:
+                # it would always win, so this later row never applies.
+                first = seen[key]
                 problems.append(
                     TableProblem(
-                        "duplicate-row",
-                        f"rows `{seen[key]}` and `{row}` share "
-                        f"({row.source.name}, {event_name(row.event)})",
-                        (seen[key], row),
+                        "duplicate-row"
+                        if row.guard is None
+                        else "shadowed-row",
+                        f"rows `{first}` and `{row}` share "
+                        f"({row.source.name}, {event_name(row.event)}) and "
+                        f"`{first}` has no guard: it shadows `{row}` (give "
+                        "every alternative but the last a guard)",
+                        (first, row),
                     )
                 )
-            else:
+            elif row.guard is None:
                 seen[key] = row
             if row.source in self.terminal:
                 problems.append(
@@ -372,11 +454,11 @@ class Table(Generic[S, E]):
             problems.extend(
                 TableProblem(
                     "bad-callback",
-                    f"row `{row}` has a callback that is not callable: {cb!r}",
+                    f"row `{row}` has a callback {cb!r} that {why}",
                     (row,),
                 )
-                for cb in (*row.after, row.guard)
-                if cb is not None and not callable(cb)
+                for cb in (*row.after, *row.always, row.guard)
+                if cb is not None and (why := _callback_problem(cb))
             )
         for state in self.states:
             if state in self.terminal:
@@ -413,6 +495,23 @@ class Table(Generic[S, E]):
                         into,
                     )
                 )
+        if not self.terminal:
+            # A cyclic table (``terminal=()``): nothing ends, so every
+            # state must lead somewhere else.
+            for state in self.states:
+                out = tuple(r for r in self.rows if r.source is state)
+                if all(r.dest is state for r in out):
+                    problems.append(
+                        TableProblem(
+                            "dead-end",
+                            f"state {state.name} of a table with no "
+                            "terminal state has no row to another state "
+                            f"(its rows: "
+                            f"{', '.join(f'`{r}`' for r in out) or 'none'})",
+                            out,
+                        )
+                    )
+            return problems
         reaches_end = _closure(set(self.terminal), self._predecessors())
         for state in self.states:
             if state not in reaches_end:
@@ -439,6 +538,42 @@ class Table(Generic[S, E]):
         for r in self.rows:
             pred[r.dest].add(r.source)
         return pred
+
+
+class Route:
+    """A structural guard: passes when the data is None or `dest`."""
+
+    __slots__ = ("__name__", "dest")
+
+    def __init__(self, dest: enum.Enum) -> None:
+        self.dest = dest
+        self.__name__ = f"to_{dest.name}"
+
+    def __call__(self, _tracker: object, data: object) -> bool:
+        """Whether `data` routes the event to this row."""
+        return data is None or data is self.dest
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Route) and other.dest is self.dest
+
+    def __hash__(self) -> int:
+        return hash(("route", self.dest))
+
+
+def _callback_problem(callback: object) -> str:
+    """Why `callback` cannot be called ``(tracker, data)`` (empty: it can)."""
+    if not callable(callback):
+        return "is not callable"
+    try:
+        inspect.signature(callback).bind(None, None)
+    except TypeError:
+        return (
+            "cannot be called with (tracker, data): callbacks and guards "
+            "take the event's data as a second argument"
+        )
+    except ValueError:  # no signature to inspect (some builtins): trust it
+        return ""
+    return ""
 
 
 def _by_name(state: enum.Enum) -> str:

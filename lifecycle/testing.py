@@ -9,8 +9,13 @@ Everything is derived from a `Table` and a tracker factory:
   machine: a legal event reaches its target; an illegal one leaves the
   tracker unchanged, bumps the (state, event) counter and logs one record;
   strict mode raises `IllegalTransition`;
+* `check_row` - drives a tracker to a guarded row's source, runs the
+  author's set-up for it and asserts that exactly that row applies; a row
+  no set-up can reach fails, naming the row;
 * `machine_mismatches` - cross-checks the machine's `transitions` machine
   against the table, edge for edge;
+* `fire_stock`, `stock_trigger`, `stock_graph` - transitions' own stock
+  trigger path of a machine: the oracle the fast path is checked against;
 * `pytest_cases` and `event_sequences` - pytest parameters and a
   hypothesis strategy (pytest and hypothesis are imported lazily);
 * `table_tests` - all of the above as one pytest test class.
@@ -21,6 +26,17 @@ The whole generated suite for your table, in a test module::
     from mypkg.lifecycle import TABLE, MyTracker
 
     TestMyLifecycle = table_tests(TABLE, MyTracker)
+
+A table with guarded rows needs set-ups that make each guard pass: a
+mapping from a row (or a state, for every guarded row leaving it) to a
+callable ``(tracker, row) -> data`` that prepares the tracker and returns
+the event's data::
+
+    TestBlocks = table_tests(
+        BLOCK_TABLE,
+        BlockTracker,
+        setups={BlockState.PINNED: pin_readers},
+    )
 """
 
 from __future__ import annotations
@@ -28,7 +44,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
 import attrs
@@ -36,15 +52,74 @@ import attrs
 from lifecycle.errors import IllegalTransition
 from lifecycle.machine import LifecycleMachine
 from lifecycle.registry import Registry
-from lifecycle.table import Table, event_name
+from lifecycle.table import Row, Table, event_name
 from lifecycle.tracker import Tracker
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
-T = TypeVar("T", bound=Tracker[Any])
+T = TypeVar("T", bound=Tracker[Any, Any])
 
-Factory = Callable[[str], Tracker[Any]]
+Factory = Callable[[str], Tracker[Any, Any]]
 """Builds a tracker in the table's initial state from a request id."""
+
+SetUp = Callable[[Any, Row[Any, Any, Any]], object]
+"""Prepares a tracker for a guarded row: ``(tracker, row) -> data``.
+
+Called with the tracker in the row's source state; returns the data to
+fire the row's event with (None for none).
+"""
+
+SetUps = Mapping[Any, SetUp]
+"""Set-ups by row, or by state (every guarded row leaving that state)."""
+
+
+def fire_stock(
+    machine: LifecycleMachine[S, E, Any, Any],
+    tracker: Any,
+    event: E,
+    data: object = None,
+) -> bool:
+    """Apply `event` through transitions' stock trigger path.
+
+    Same table, same callbacks, same result as `LifecycleMachine.fire` for
+    callbacks that do not raise (a differential test checks it); 10-20
+    times slower.  No counters, no policy: an illegal event returns False.
+    The test oracle.
+    """
+    with machine._lock:  # noqa: SLF001 - the oracle of this package
+        trigger = machine._tx.events[event_name(event)].trigger  # noqa: SLF001
+        return bool(trigger(tracker, data=data))
+
+
+def stock_trigger(
+    machine: LifecycleMachine[S, E, Any, Any], event: E
+) -> Callable[[Any], bool]:
+    """transitions' own trigger for `event`, unlocked (benchmarks)."""
+    trigger = machine._tx.events[event_name(event)].trigger  # noqa: SLF001
+
+    def stock(tracker: Any) -> bool:
+        return bool(trigger(tracker))
+
+    return stock
+
+
+def stock_graph(
+    machine: LifecycleMachine[S, E, Any, Any],
+) -> tuple[frozenset[str], frozenset[tuple[S, E, S]]]:
+    """The `transitions` machine's state names and (src, event, dst)."""
+    table = machine.table
+    tx = machine._tx  # noqa: SLF001 - the oracle of this package
+    edges = frozenset(
+        (
+            table.state_named(src),
+            table.event_named(name),
+            table.state_named(str(t.dest)),
+        )
+        for name, ev in tx.events.items()
+        for src, trans in ev.transitions.items()
+        for t in trans
+    )
+    return frozenset(tx.states), edges
 
 
 @attrs.frozen
@@ -81,41 +156,118 @@ def matrix(table: Table[S, E]) -> list[Case[S, E]]:
     ]
 
 
-def shortest_paths(table: Table[S, E]) -> dict[S, tuple[E, ...]]:
-    """The shortest event path from the initial state to every state.
+def shortest_row_paths(
+    table: Table[S, E, Any],
+) -> dict[S, tuple[Row[S, E, Any], ...]]:
+    """The shortest row path from the initial state to every state.
 
     Ties are broken by table row order, so the result is deterministic.
-    Guards are not consulted.
+    Guards are not consulted here (`tracker_in` runs their set-ups).
     """
-    paths: dict[S, tuple[E, ...]] = {table.initial: ()}
+    paths: dict[S, tuple[Row[S, E, Any], ...]] = {table.initial: ()}
     todo = deque([table.initial])
     while todo:
         state = todo.popleft()
         for row in table.rows:
             if row.source is state and row.dest not in paths:
-                paths[row.dest] = (*paths[state], row.event)
+                paths[row.dest] = (*paths[state], row)
                 todo.append(row.dest)
     return paths
 
 
+def shortest_paths(table: Table[S, E, Any]) -> dict[S, tuple[E, ...]]:
+    """The shortest event path from the initial state to every state."""
+    return {
+        state: tuple(r.event for r in rows)
+        for state, rows in shortest_row_paths(table).items()
+    }
+
+
+def _setup_for(setups: SetUps | None, row: Row[Any, Any, Any]) -> SetUp | None:
+    if not setups:
+        return None
+    found = setups.get(row)
+    return setups.get(row.source) if found is None else found
+
+
+def _unreached(row: Row[Any, Any, Any], tracker: Any, why: str) -> str:
+    return (
+        f"guarded row `{row}` was not reached ({why}; tracker: "
+        f"{attrs.asdict(tracker, recurse=False)}): supply a set-up that "
+        f"makes its guard pass, table_tests(..., setups={{<row or "
+        f"{row.source.name}>: fn(tracker, row) -> data}})"
+    )
+
+
+def _fire_row(
+    machine: LifecycleMachine[Any, Any, Any, Any],
+    tracker: Any,
+    row: Row[Any, Any, Any],
+    setups: SetUps | None,
+) -> None:
+    """Fire `row`'s event so that `row` applies, or fail naming it."""
+    setup = _setup_for(setups, row) if row.guard is not None else None
+    data = setup(tracker, row) if setup is not None else None
+    index = next(i for i, r in enumerate(machine.table.rows) if r is row)
+    before = machine.row_counts()[index]
+    if not machine.fire(tracker, row.event, data=data):
+        raise AssertionError(
+            _unreached(row, tracker, "the event was refused")
+            if row.guard is not None
+            else f"row `{row}` was refused for {tracker.req_id}"
+        )
+    if machine.row_counts()[index] != before + 1:
+        raise AssertionError(
+            _unreached(row, tracker, "another alternative applied")
+        )
+
+
 def tracker_in(
     state: S,
-    machine: LifecycleMachine[S, E, Any],
+    machine: LifecycleMachine[S, E, Any, Any],
     factory: Callable[[str], T],
     *,
-    req_id: str = "req-under-test",
+    req_id: Any = "req-under-test",
+    setups: SetUps | None = None,
 ) -> T:
     """A fresh tracker from `factory` driven to `state` by its shortest path.
 
+    Guarded rows on the path run their set-up from `setups` first.
+
     Raises:
-        AssertionError: an event on the path was refused.
+        AssertionError: a row on the path did not apply (naming it).
     """
     tracker = factory(req_id)
-    for event in shortest_paths(machine.table)[state]:
-        if not machine.fire(tracker, event):
-            msg = f"could not drive {req_id} to {state.name} at {event}"
-            raise AssertionError(msg)
+    for row in shortest_row_paths(machine.table)[state]:
+        _fire_row(machine, tracker, row, setups)
     return tracker
+
+
+def check_row(
+    row: Row[S, E, Any],
+    table: Table[S, E, Any],
+    factory: Factory,
+    setups: SetUps | None = None,
+    *,
+    key: Any = "req-under-test",
+) -> None:
+    """Assert that `row` applies when its set-up ran, on a fresh machine.
+
+    The tracker is driven to ``row.source``, the set-up for `row` (or
+    for its source state) prepares it and gives the data, then the event
+    must apply exactly `row`: its destination, its count.
+
+    Raises:
+        AssertionError: naming the row and what went wrong.
+    """
+    machine: LifecycleMachine[S, E, Any, Any] = LifecycleMachine(table)
+    tracker = tracker_in(
+        row.source, machine, factory, setups=setups, req_id=key
+    )
+    _fire_row(machine, tracker, row, setups)
+    if tracker.state is not row.dest:
+        msg = f"row `{row}`: wrong target {tracker.state.name}"
+        raise AssertionError(msg)
 
 
 class _Records(logging.Handler):
@@ -127,29 +279,43 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
-def check_case(case: Case[S, E], table: Table[S, E], factory: Factory) -> None:
+def check_case(
+    case: Case[S, E],
+    table: Table[S, E, Any],
+    factory: Factory,
+    setups: SetUps | None = None,
+    *,
+    key: Any = "req-under-test",
+) -> None:
     """Assert the table's promise for one pair on fresh machines.
 
+    A pair with guarded rows is checked row by row (`check_row`): each
+    must be reached through its set-up.
+
     Raises:
-        AssertionError: naming the pair and what went wrong.
+        AssertionError: naming the pair (or row) and what went wrong.
     """
+    rows = table.rows_for(case.state, case.event)
+    if any(r.guard is not None for r in rows):
+        for row in rows:
+            check_row(row, table, factory, setups, key=key)
+        return
     logger = logging.getLogger(f"lifecycle.testing.{table.name}.{case.id}")
     logger.propagate = False
     logger.setLevel(logging.DEBUG)
     handler = _Records()
     logger.addHandler(handler)
     try:
-        machine: LifecycleMachine[S, E] = LifecycleMachine(
+        machine: LifecycleMachine[S, E, Any, Any] = LifecycleMachine(
             table, logger=logger
         )
-        tracker = tracker_in(case.state, machine, factory)
+        tracker = tracker_in(
+            case.state, machine, factory, setups=setups, req_id=key
+        )
         handler.records.clear()
         before = attrs.asdict(tracker, recurse=False)
         applied = machine.fire(tracker, case.event)
         if case.expected is not None:
-            row = table.get(case.state, case.event)
-            if row is not None and row.guard is not None and not applied:
-                return  # the guard said no for a fresh tracker: allowed
             _expect(applied, case, "legal event was refused")
             _expect(tracker.state is case.expected, case, "wrong target")
             _expect(not machine.illegal_counts, case, "counted illegal")
@@ -173,16 +339,24 @@ def check_case(case: Case[S, E], table: Table[S, E], factory: Factory) -> None:
                 case,
                 f"expected one structured log record, got {fields}",
             )
-            _check_strict(case, table, factory)
+            _check_strict(case, table, factory, setups, key)
     finally:
         logger.removeHandler(handler)
 
 
 def _check_strict(
-    case: Case[S, E], table: Table[S, E], factory: Factory
+    case: Case[S, E],
+    table: Table[S, E, Any],
+    factory: Factory,
+    setups: SetUps | None,
+    key: Any,
 ) -> None:
-    strict: LifecycleMachine[S, E] = LifecycleMachine(table, strict=True)
-    tracker = tracker_in(case.state, strict, factory)
+    strict: LifecycleMachine[S, E, Any, Any] = LifecycleMachine(
+        table, strict=True
+    )
+    tracker = tracker_in(
+        case.state, strict, factory, setups=setups, req_id=key
+    )
     try:
         strict.fire(tracker, case.event)
     except IllegalTransition as exc:
@@ -213,7 +387,7 @@ def machine_mismatches(
     own table).  Empty when they agree.
     """
     table = machine.table if table is None else table
-    tx_states, tx_edges = machine.stock_graph()
+    tx_states, tx_edges = stock_graph(machine)
     table_states = {s.name for s in table.states}
     problems = []
     if tx_states != table_states:
@@ -244,11 +418,18 @@ def event_sequences(table: Table[Any, Any], max_size: int = 40) -> Any:
     return st.lists(st.sampled_from(list(table.events)), max_size=max_size)
 
 
+def _route(_tracker: object, row: Row[Any, Any, Any]) -> object:
+    """The set-up of a structural table's guarded row: its destination."""
+    return row.dest
+
+
 def table_tests(  # noqa: C901 - one class of small tests
-    table: Table[Any, Any],
+    table: Table[Any, Any, Any],
     factory: Factory,
     *,
     examples: int = 200,
+    setups: SetUps | None = None,
+    key: Any = "req-under-test",
 ) -> type:
     """A pytest test class holding the generated tests of `table`.
 
@@ -256,36 +437,65 @@ def table_tests(  # noqa: C901 - one class of small tests
 
         TestMyLifecycle = table_tests(TABLE, MyTracker)
 
-    Tests: every (state, event) pair (`check_case`); the matrix is the
-    full product; the `transitions` machine agrees with the table; every
-    state is reachable by its shortest path; total events are accepted
+    Tests: every (state, event) pair (`check_case`), every guarded row
+    reached through `setups` (`check_row`); the matrix is the full
+    product; the `transitions` machine agrees with the table; every state
+    is reachable by its shortest path; total events are accepted
     everywhere non-terminal and terminal states have no exits; the fast
     path matches the stock `transitions` trigger on `examples` random event
     sequences (hypothesis); a registry drops trackers at terminal states.
+
+    `setups` makes guarded rows reachable (see the module docstring);
+    `key` is the tracker key the tests use (a str; pass another for
+    trackers keyed otherwise, e.g. ``key=1``).
+
+    Raises:
+        TypeError: `factory` does not build trackers of `table` (checked
+            once, here, rather than by every generated test).
     """
     import pytest
     from hypothesis import given, settings
 
+    Registry(LifecycleMachine(table), factory).get_or_create(key)
+    structure = table.without_callbacks()
+    routes = {r: _route for r in structure.rows if r.guard is not None}
+    guarded = [r for r in table.rows if r.guard is not None]
+
     class GeneratedTableTests:
         @pytest.mark.parametrize("case", pytest_cases(table))
         def test_every_state_event_pair(self, case: Case[Any, Any]) -> None:
-            check_case(case, table, factory)
+            check_case(case, table, factory, setups, key=key)
+
+        @pytest.mark.parametrize(
+            "row", [pytest.param(r, id=str(r)) for r in guarded] or [None]
+        )
+        def test_every_guarded_row_is_reached(
+            self, row: Row[Any, Any, Any] | None
+        ) -> None:
+            if row is None:
+                assert not guarded
+                return
+            check_row(row, table, factory, setups, key=key)
 
         def test_matrix_is_the_full_product(self) -> None:
             cases = matrix(table)
             assert len(cases) == len(table.states) * len(table.events)
-            assert sum(c.legal for c in cases) == len(table.rows)
+            pairs = {(r.source, r.event) for r in table.rows}
+            assert sum(c.legal for c in cases) == len(pairs)
 
         def test_machine_agrees_with_table(self) -> None:
             assert machine_mismatches(LifecycleMachine(table)) == []
 
         def test_every_state_is_reachable(self) -> None:
-            machine: LifecycleMachine[Any, Any] = LifecycleMachine(
-                table.without_callbacks(), strict=True
+            machine: LifecycleMachine[Any, Any, Any, Any] = LifecycleMachine(
+                structure, strict=True
             )
             assert set(shortest_paths(table)) == set(table.states)
             for state in table.states:
-                assert tracker_in(state, machine, factory).state is state
+                tracker = tracker_in(
+                    state, machine, factory, setups=routes, req_id=key
+                )
+                assert tracker.state is state
 
         def test_total_events_and_terminal_states(self) -> None:
             for state in table.states:
@@ -296,29 +506,31 @@ def table_tests(  # noqa: C901 - one class of small tests
                     assert set(table.total_events) <= set(accepted)
 
         def test_registry_drops_trackers_at_terminal_states(self) -> None:
-            machine: LifecycleMachine[Any, Any] = LifecycleMachine(
-                table.without_callbacks()
+            machine: LifecycleMachine[Any, Any, Any, Any] = LifecycleMachine(
+                structure
             )
             for state in table.terminal:
                 registry = Registry(machine, factory)
-                tracker = registry.get_or_create("r")
-                *path, last = shortest_paths(table)[state]
-                for event in path:
-                    registry.fire_on(tracker, event)
-                assert "r" in registry
-                assert registry.fire_on(tracker, last)
-                assert "r" not in registry
+                tracker = registry.get_or_create(key)
+                *path, last = shortest_row_paths(structure)[state]
+                for row in path:
+                    registry.fire_on(tracker, row.event, data=row.dest)
+                assert key in registry
+                assert registry.fire_on(tracker, last.event, data=last.dest)
+                assert key not in registry
 
         @settings(max_examples=examples, deadline=None)
         @given(events=event_sequences(table))
         def test_fast_path_matches_stock_transitions(
             self, events: list[Any]
         ) -> None:
-            machine: LifecycleMachine[Any, Any] = LifecycleMachine(table)
-            fast, stock = factory("r"), factory("r")
+            machine: LifecycleMachine[Any, Any, Any, Any] = LifecycleMachine(
+                table
+            )
+            fast, stock = factory(key), factory(key)
             for event in events:
-                assert machine.fire(fast, event) == machine.fire_stock(
-                    stock, event
+                assert machine.fire(fast, event) == fire_stock(
+                    machine, stock, event
                 )
                 assert attrs.asdict(fast) == attrs.asdict(stock)
 

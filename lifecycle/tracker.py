@@ -29,12 +29,22 @@ from typing import (
     Any,
     ClassVar,
     Generic,
-    TypeVar,
     dataclass_transform,
     overload,
 )
 
 import attrs
+
+from lifecycle._generic import Padded
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar
+
+    K = TypeVar("K", covariant=True, default=str)  # noqa: PLC0105
+else:
+    from typing import TypeVar
+
+    K = TypeVar("K", covariant=True)  # noqa: PLC0105
 
 S = TypeVar("S", bound=enum.Enum)
 C = TypeVar("C", bound=type)
@@ -43,11 +53,22 @@ MAX_REQ_ID_LEN = 1024
 
 
 def _check_req_id(
-    _inst: object, _attr: attrs.Attribute[str], v: object
+    inst: object, _attr: attrs.Attribute[Any], v: object
 ) -> None:
-    if not isinstance(v, str):
-        msg = f"req_id must be a str, got {type(v).__name__}"
+    key_type = getattr(type(inst), "key_type", None)
+    if key_type is not None and not isinstance(v, key_type):
+        msg = f"req_id must be a {key_type.__name__}, got {type(v).__name__}"
         raise TypeError(msg)
+    if not isinstance(v, str):
+        if v is None or isinstance(v, (bool, float)):
+            msg = f"req_id must be a str or a hashable key, got {v!r}"
+            raise TypeError(msg)
+        try:
+            hash(v)
+        except TypeError:
+            msg = f"req_id must be hashable, got {type(v).__name__}"
+            raise TypeError(msg) from None
+        return
     if not v or len(v) > MAX_REQ_ID_LEN:
         msg = f"req_id must have 1..{MAX_REQ_ID_LEN} characters, got {len(v)}"
         raise ValueError(msg)
@@ -77,27 +98,39 @@ def _define(cls: C) -> C:
 
 
 @_define
-class Tracker(Generic[S]):
+class Tracker(Padded, Generic[S, K]):
     """One request's lifecycle: its state and epoch, nothing else.
+
+    Type parameters: the state enum ``S`` and the key type ``K`` (``str``
+    by default; any hashable, e.g. an int block hash).
 
     Fields are validated at construction; afterwards only the lifecycle
     machine changes `state` (and callbacks `epoch`).
 
     Attributes:
-        req_id: The request id (1..1024 characters).  Not an identity
-            across preemptions: see `epoch`.
+        req_id: The key: a request id (1..1024 characters) or another
+            hashable (not None, a bool or a float).  Not an identity
+            across preemptions or reuse: see `epoch`.
         state: The current state.  Subclasses redeclare it with their
             enum and the initial state as default.
         epoch: Incremented by the lifecycle's own callbacks (e.g. at a
             preemption).  Transfer jobs carry the epoch they were issued
             in, so a completion from an older epoch is recognised as
-            stale (`LifecycleMachine.fire` with ``epoch=``).
+            stale (`LifecycleMachine.fire` with ``epoch=``).  A `Registry`
+            starts the tracker of a reused key above its predecessor's
+            epoch.
     """
 
     if TYPE_CHECKING:
         __attrs_attrs__: ClassVar[tuple[attrs.Attribute[Any], ...]]
 
-    req_id: str = attrs.field(validator=_check_req_id)
+    _defaults = (str,)  # K defaults to str (see `Padded`)
+    key_type: ClassVar[type | None] = None
+    """The class of `req_id` (None: any hashable).  `define_tracker` sets
+    it from the key parameter: ``Tracker[S]`` is ``str``-keyed,
+    ``Tracker[S, int]`` int-keyed."""
+
+    req_id: K = attrs.field(validator=_check_req_id)
     state: S = attrs.field(validator=_check_state)
     epoch: int = attrs.field(default=0, validator=check_count, kw_only=True)
 
@@ -126,10 +159,22 @@ def define_tracker(cls: C | None = None, /) -> C | Callable[[C], C]:
             msg = f"{klass!r} is not a subclass of lifecycle.Tracker"
             raise TypeError(msg)
         built = _define(klass)
+        built.key_type = _key_type(built)
         check_tracker_class(built)
         return built
 
     return wrap if cls is None else wrap(cls)
+
+
+def _key_type(cls: type) -> type | None:
+    """The key class a `Tracker[S, K]` subclass declares (default str)."""
+    for base in getattr(cls, "__orig_bases__", ()):
+        origin = getattr(base, "__origin__", None)
+        if isinstance(origin, type) and issubclass(origin, Tracker):
+            args: tuple[object, ...] = getattr(base, "__args__", ())
+            key = args[1] if len(args) > 1 else str
+            return key if isinstance(key, type) else None
+    return getattr(cls, "key_type", None)
 
 
 def slow_reasons(cls: type) -> list[str]:

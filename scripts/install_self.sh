@@ -24,7 +24,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] && [ -x "$VENV/bin/kv-lifecycle" 
     exit 0
 fi
 echo "install_self: pip install --no-deps -e . into $VENV"
-"$PY" -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 \
+"$PY" -m pip install -q --disable-pip-version-check --no-deps -e . \
+    --config-settings editable_mode=compat 2>&1 \
     | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 "$PY" - <<'PYEOF'
 from importlib.metadata import entry_points

@@ -340,10 +340,10 @@ class NeverSendsConnector(ReferenceConnector):
 
 # --------------------------------------------------------- naive variants
 #
-# Each class below has exactly one ordering bug of
-# `shared/reference/vllm-kv-connector.md` section 4, in the shape the
-# original connector had it; tests/test_ordering_regressions.py shows that
-# vLLM's real scheduler (or a racing worker) trips it.
+# Each class below has exactly one ordering bug that vLLM KV connectors
+# have shipped with (the vLLM issue is named in its docstring), in the
+# shape the original connector had it; tests/test_ordering_regressions.py
+# shows that vLLM's real scheduler (or a racing worker) trips it.
 
 
 class StoreError(ConnectionError):

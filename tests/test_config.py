@@ -14,6 +14,7 @@ from connector.config import (
     VLLM_UNIMPLEMENTED_KEYS,
     EventsConfig,
     GiB,
+    IdentityConfig,
     KiB,
     LookupConfig,
     MiB,
@@ -336,10 +337,35 @@ def test_size_units_are_binary():
 
 def test_lookup_bounds_default_and_parse() -> None:
     assert LookupConfig.from_extra_config({}) == LookupConfig(50, 4096)
+    assert LookupConfig().failed_load_ttl_s == 15.0
     got = LookupConfig.from_extra_config(
-        {"lookup_timeout_ms": 20, "lookup_max_pending": 8}
+        {
+            "lookup_timeout_ms": 20,
+            "lookup_max_pending": 8,
+            "failed_load_ttl_s": 11,
+        }
     )
-    assert got == LookupConfig(20, 8)
+    assert got == LookupConfig(20, 8, 11.0)
+    assert isinstance(got.failed_load_ttl_s, float)
+
+
+def test_failed_load_ttl_is_a_declared_key(caplog) -> None:
+    """``failed_load_ttl_s`` is the connector's own key: never warned
+    about as unknown, and part of the configuration reference."""
+    with caplog.at_level(logging.WARNING, logger="connector.config"):
+        StoreConfig.from_vllm({**BASE, "failed_load_ttl_s": 12.5}, {})
+    assert not caplog.records
+    assert "failed_load_ttl_s" in CONNECTOR_KEYS
+    assert "failed_load_ttl_s" in attrs.fields_dict(LookupConfig)
+
+
+def test_weights_version_is_a_declared_key(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="connector.config"):
+        StoreConfig.from_vllm({**BASE, "weights_version": "step-7"}, {})
+    assert not caplog.records
+    got = IdentityConfig.from_extra_config({"weights_version": " step-7 "})
+    assert got.weights_version == "step-7"
+    assert IdentityConfig.from_extra_config({}).weights_version == ""
 
 
 @pytest.mark.parametrize(
@@ -349,6 +375,12 @@ def test_lookup_bounds_default_and_parse() -> None:
         ("lookup_timeout_ms", "50"),
         ("lookup_max_pending", -1),
         ("lookup_max_pending", True),
+        ("failed_load_ttl_s", 0),
+        ("failed_load_ttl_s", -1.5),
+        ("failed_load_ttl_s", "15"),
+        ("failed_load_ttl_s", True),
+        ("failed_load_ttl_s", float("inf")),
+        ("failed_load_ttl_s", float("nan")),
     ],
 )
 def test_bad_lookup_bound_names_its_key(key: str, value: object) -> None:
@@ -385,7 +417,7 @@ def test_connector_keys_derive_from_the_fields():
     path and the vLLM keys it accepts without implementing them."""
     own = {
         config_key(f)
-        for cls in (TraceConfig, LookupConfig, EventsConfig)
+        for cls in (TraceConfig, LookupConfig, IdentityConfig, EventsConfig)
         for f in attrs.fields(cls)
     }
     assert own == {
@@ -393,6 +425,8 @@ def test_connector_keys_derive_from_the_fields():
         "lifecycle_trace_max_events",
         "lookup_timeout_ms",
         "lookup_max_pending",
+        "failed_load_ttl_s",
+        "weights_version",
         "kv_events_medium",
     }
     assert (
@@ -405,7 +439,10 @@ def test_connector_keys_derive_from_the_fields():
     assert not CONNECTOR_KEYS & set(attrs.fields_dict(StoreConfig))
 
 
-@pytest.mark.parametrize("cls", [StoreConfig, TraceConfig, LookupConfig])
+@pytest.mark.parametrize(
+    "cls",
+    [StoreConfig, TraceConfig, LookupConfig, IdentityConfig, EventsConfig],
+)
 def test_every_field_declares_help_text_and_a_coercion(cls):
     for field in attrs.fields(cls):
         assert len(field.metadata["doc"]) > 10, field.name

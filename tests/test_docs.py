@@ -17,6 +17,7 @@ import pytest
 from connector.config import (
     VLLM_BUILT_IN_KEYS,
     VLLM_UNIMPLEMENTED_KEYS,
+    IdentityConfig,
     LookupConfig,
     StoreConfig,
     TraceConfig,
@@ -83,6 +84,7 @@ def _rows(page: str, caption: str) -> list[list[str]]:
 
 
 def test_lifecycle_page_contains_the_rendered_diagrams(site) -> None:
+    from connector.scheduler.admission import LOOKUPS  # noqa: PLC0415
     from lifecycle.kv import TABLE  # noqa: PLC0415
     from lifecycle.pd import CONSUMER, PRODUCER  # noqa: PLC0415
 
@@ -94,11 +96,15 @@ def test_lifecycle_page_contains_the_rendered_diagrams(site) -> None:
     rows = _rows(page, "Every transition of lifecycle.kv:TABLE")
     assert len(rows) == len(TABLE.rows)
     svgs = re.findall(r"<svg\b.*?</svg>", page, re.DOTALL)
-    assert len(svgs) == 3  # the KV table and the P/D producer and consumer
-    for table, svg_text in zip((PRODUCER, CONSUMER), svgs[1:], strict=True):
+    # The KV table, the admission lookup, the P/D producer and consumer.
+    assert len(svgs) == 4
+    shown = (LOOKUPS, PRODUCER, CONSUMER)
+    for table, svg_text in zip(shown, svgs[1:], strict=True):
         for state in table.states:
             assert f"<title>{state.name}</title>" in svg_text
         assert table.title in svg_text
+    rows = _rows(page, "Every transition of connector.scheduler.admission")
+    assert len(rows) == len(LOOKUPS.rows)
 
 
 def test_configuration_reference_is_generated_from_the_fields(site) -> None:
@@ -132,8 +138,16 @@ def test_configuration_reference_is_generated_from_the_fields(site) -> None:
     assert [r[0] for r in lookup] == [
         "lookup_timeout_ms",
         "lookup_max_pending",
+        "failed_load_ttl_s",
     ]
-    for cls, table in ((TraceConfig, trace), (LookupConfig, lookup)):
+    assert lookup[2][1:3] == ["float", "15.0"]
+    identity = _rows(page, "connector.config.IdentityConfig")
+    assert [r[0] for r in identity] == ["weights_version"]
+    for cls, table in (
+        (TraceConfig, trace),
+        (LookupConfig, lookup),
+        (IdentityConfig, identity),
+    ):
         for row, field in zip(table, attrs.fields(cls), strict=True):
             doc = " ".join(_text(field.metadata["doc"]).split())
             assert row[3] == doc.replace("``", "")

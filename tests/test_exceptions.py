@@ -54,8 +54,16 @@ def _samples() -> dict[type[BaseException], BaseException]:
             "full_attention, sliding_window",
             "group 1 is mamba",
         ),
+        cerr.UnsupportedParallelism(
+            "pipeline_parallel_size", 2, "stages cannot be looked up"
+        ),
+        cerr.ParallelRankError(
+            "tensor-parallel rank", 2, "AssertionError: no TP group"
+        ),
         lerr.IllegalTransition(State.NEW, Event.LOAD_DONE, "r1", 2),
         lerr.UnknownRequest(Event.FINISH, "r2"),
+        lerr.GuardRefused(State.SAVING, Event.FINISH, "r3", 1, (), "kv"),
+        lerr.ReentrantFire(Event.ABORT, "r4", "kv"),
         lerr.InvalidTable((problem,)),
         trace_writer.TraceError("traces/t.jsonl", "no such file"),
         trace_writer.TableMismatchError("traces/t.jsonl", "abc", "def"),

@@ -78,12 +78,10 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from connector.integration.vllm_connector import (
-    LifecycleWorkerMetadata,
-    _StoreLookup,
-)
+from connector.integration.vllm_connector import LifecycleWorkerMetadata
 from connector.metadata import JobKind, JobResult, TransferJob, WorkerReport
 from connector.scheduler.side import Role, SchedulerSide
+from connector.scheduler.store_lookup import StoreLookup
 from connector.store import Regions
 from connector.store.keys import KeyLayout, KeyScheme
 from connector.worker.side import KVLayout, WorkerSide
@@ -219,7 +217,7 @@ class Env:
                 assert result.ok, list(result)
         for tensor in self.tensors:
             tensor.zero_()
-        return schemes, _StoreLookup(self.client, tuple(schemes))
+        return schemes, StoreLookup(self.client, tuple(schemes))
 
     def close(self):
         for tensor in self.tensors:
@@ -821,14 +819,21 @@ class OrderingFuzzer(RuleBasedStateMachine):
         )
         COVERAGE["dropped reports"] += self.side.unexpected_reports
         counts = self.side.lookup_counts
-        COVERAGE["lookups after a preemption"] += sum(
+        # An answer that comes back after its request was preempted is
+        # fenced by the request's epoch (a stale ``lookup_done``) or,
+        # once the lookup was dropped at admission, by the lookup's own
+        # epoch (a stale ``answer`` of the admission-lookup table).
+        stale_answers = sum(self.side.lookup_machine.stale_counts.values())
+        COVERAGE["lookups after a preemption"] += stale_answers + sum(
             n
             for (_, event), n in self.side.machine.stale_counts.items()
             if event is Event.LOOKUP_DONE
         )
         COVERAGE["lookups answered"] += counts["answered"]
         COVERAGE["lookups after their request ended"] += counts["ended"]
-        COVERAGE["lookups refused (stale or illegal)"] += counts["refused"]
+        COVERAGE["lookups refused (stale or illegal)"] += (
+            counts["refused"] + stale_answers
+        )
         COVERAGE["lookups expired"] += counts["timed_out"]
         COVERAGE["failed loads"] += sum(
             w.jobs_failed[JobKind.LOAD] for w in self.workers

@@ -8,7 +8,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from connector.errors import KeySchemeError
-from connector.store.keys import SEPARATOR, KeyLayout, KeyScheme
+from connector.store.keys import (
+    KEY_VERSION,
+    MAX_COMPONENT,
+    SEPARATOR,
+    KeyLayout,
+    KeyScheme,
+)
 
 LAYOUT = KeyLayout("bfloat16", 16, 2 * 1024 * 1024, "L32")
 HASH = bytes(range(32))
@@ -31,9 +37,19 @@ class TestKey:
         """The documented format, with the model escaped."""
         key = scheme(tp_rank=1, tp_size=2, pp_rank=1, pp_size=2, kv_group=3)
         assert (
-            "kvl1@prod@meta-llama%2FLlama-3.1-8B@tp1of2@pp1of2@g3"
+            "kvl2@prod@meta-llama%2FLlama-3.1-8B@r@w@tp1of2@pp1of2@g3"
             "@bfloat16.16t.2097152b.L32@b" + HASH.hex()
         ) == key.key(HASH)
+        named = scheme(model="m", revision="v1.2", generation="step 7")
+        assert named.key(7) == (
+            "kvl2@prod@m@rv1.2@wstep%207@tp0of1@pp0of1@g0"
+            "@bfloat16.16t.2097152b.L32@i7"
+        )
+
+    def test_version_bumped(self):
+        """Keys of the basename-only scheme (kvl1) can never be read."""
+        assert KEY_VERSION == "kvl2"
+        assert scheme().key(HASH).startswith("kvl2@")
 
     def test_pure_function(self):
         """Equal inputs give equal keys, across scheme instances."""
@@ -59,6 +75,9 @@ class TestKey:
             {"namespace": ""},
             {"model": "meta-llama/Llama-3.1-70B"},
             {"model": "other-org/Llama-3.1-8B"},
+            {"model": "Llama-3.1-8B"},
+            {"revision": "main"},
+            {"generation": "1"},
             {"tp_size": 2},
             {"tp_size": 2, "tp_rank": 1},
             {"pp_size": 2},
@@ -97,9 +116,34 @@ class TestKey:
         honest = scheme(namespace="a", model="b@c")
         assert forged.key(HASH) != honest.key(HASH)
         for s in (forged, honest):
-            assert len(s.key(HASH).split(SEPARATOR)) == 8
+            assert len(s.key(HASH).split(SEPARATOR)) == 10
         sneaky = scheme(model="m@tp0of1@pp0of1@g0@x")
-        assert len(sneaky.key(HASH).split(SEPARATOR)) == 8
+        assert len(sneaky.key(HASH).split(SEPARATOR)) == 10
+        moved = scheme(model="m", revision="@wx")
+        assert moved.key(HASH) != scheme(model="m@r", generation="x").key(HASH)
+
+    def test_long_components_are_bounded(self):
+        """A long model path, revision or generation keeps keys short."""
+        long = "/mnt/models/" + "very-long-directory-name/" * 40 + "llama"
+        key = scheme(model=long, revision="r" * 300, generation="g" * 300)
+        fields = key.key(HASH).split(SEPARATOR)
+        assert len(fields) == 10
+        assert all(len(f) <= MAX_COMPONENT + 2 for f in fields[2:5])
+        assert len(key.key(HASH)) < 400
+        other = scheme(model=long[:-1] + "b", revision="r" * 300)
+        assert key.key(HASH) != other.key(HASH)
+        assert key.key(HASH) == scheme(
+            model=long, revision="r" * 300, generation="g" * 300
+        ).key(HASH)
+
+    def test_bounded_never_meets_kept_component(self):
+        """A hashed component never equals one kept as is."""
+        kept = "a" * MAX_COMPONENT
+        hashed = "a" * (MAX_COMPONENT + 1)
+        kept_key, hashed_key = scheme(model=kept), scheme(model=hashed)
+        assert kept_key.key(HASH) != hashed_key.key(HASH)
+        assert kept in kept_key.prefix
+        assert "~" in hashed_key.prefix.split(SEPARATOR)[2]
 
     def test_prefix_is_per_scheme(self):
         s = scheme()
@@ -124,6 +168,8 @@ class TestValidation:
             ({"model": ""}, "model"),
             ({"model": 3}, "model"),
             ({"tp_rank": True}, "tp_rank"),
+            ({"revision": None}, "revision"),
+            ({"generation": 1}, "generation"),
         ],
     )
     def test_bad_component(self, change, component):
@@ -154,6 +200,7 @@ class TestValidation:
 
 
 text = st.text(max_size=12)
+long_text = st.text(max_size=80)
 
 
 @given(
@@ -168,4 +215,17 @@ def test_injective(a, b):
         return
     key_a = scheme(namespace=ns_a, model=model_a).key(hash_a)
     key_b = scheme(namespace=ns_b, model=model_b).key(hash_b)
+    assert (key_a == key_b) == (a == b)
+
+
+@given(
+    a=st.tuples(long_text, long_text, long_text),
+    b=st.tuples(long_text, long_text, long_text),
+)
+def test_identity_injective(a, b):
+    """Different (model, revision, generation) never give the same key."""
+    if not a[0] or not b[0]:
+        return
+    key_a = scheme(model=a[0], revision=a[1], generation=a[2]).key(HASH)
+    key_b = scheme(model=b[0], revision=b[1], generation=b[2]).key(HASH)
     assert (key_a == key_b) == (a == b)

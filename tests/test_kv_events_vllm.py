@@ -150,8 +150,12 @@ def test_a_failed_load_is_published_as_removed(extra, harnesses, subscriber):
     b.add_request("b", [*prompt(7, 64), 9], max_tokens=2)
     run(b)
     assert b.external_hit_tokens == 64
+    # The publisher sends batches from its own thread: wait for both.
     events = subscriber.wait_for(
-        lambda ev: of_medium(ev, BlockRemoved, DEFAULT_EVENTS_MEDIUM)
+        lambda ev: (
+            of_medium(ev, BlockRemoved, DEFAULT_EVENTS_MEDIUM)
+            and stored_in(ev)
+        )
     )
     (removed,) = of_medium(events, BlockRemoved, DEFAULT_EVENTS_MEDIUM)
     gpu_hashes, _ = chain(of_medium(events, BlockStored, "GPU"))
@@ -190,6 +194,54 @@ def test_a_store_reset_is_published_as_all_blocks_cleared(
     assert len(chain(stored_in(before, "cpu"))[0]) == 4
     assert len(chain(stored_in(after, "cpu"))[0]) == 2
     assert side(a).jobs.events is not None
+
+
+def test_a_cache_reset_is_published_as_all_blocks_cleared(
+    extra, harnesses, subscriber
+):
+    """vLLM's ``reset_prefix_cache(reset_connector=True)`` calls the
+    connector's ``reset_cache()``: a new weights generation, so nothing
+    stored before is loaded again; routers are told the store's blocks
+    are gone (the saves of the new generation are announced afresh).
+    vLLM's block pool publishes its own ``AllBlocksCleared`` for the GPU
+    cache in the same batch: the connector's is told apart by spying on
+    what `take_events` hands the scheduler."""
+    a = Harness(
+        CONNECTOR,
+        extra_config=extra,
+        num_blocks=40,
+        kv_events_config=subscriber.config(),
+    )
+    harnesses.append(a)
+    connector = a.scheduler_connector
+    taken = []
+    real_take = connector.take_events
+
+    def take_events():
+        events = list(real_take())
+        taken.extend(events)
+        return events
+
+    connector.take_events = take_events
+    a.add_request("a", prompt(11, 64), max_tokens=2)
+    run(a)
+    assert a.scheduler.reset_prefix_cache(reset_connector=True) is True
+    a.add_request("b", prompt(12, 40), max_tokens=2)
+    run(a)
+    cleared = [
+        i for i, e in enumerate(taken) if isinstance(e, AllBlocksCleared)
+    ]
+    assert len(cleared) == 1, [type(e).__name__ for e in taken]
+    before, after = taken[: cleared[0]], taken[cleared[0] :]
+    assert len(chain(stored_in(before))[0]) == 4
+    assert len(chain(stored_in(after))[0]) == 2
+    # ... and it reached the router, between the two generations' saves.
+    events = subscriber.wait_for(lambda ev: len(chain(stored_in(ev))[0]) >= 6)
+    last = max(
+        i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)
+    )
+    assert len(chain(stored_in(events[:last]))[0]) == 4
+    assert len(chain(stored_in(events[last:]))[0]) == 2
 
 
 def test_no_events_are_recorded_without_kv_events(extra, harnesses):

@@ -20,7 +20,7 @@ from lifecycle import (
 )
 from lifecycle.kv import TABLE, Event, State
 from lifecycle.kv import KVTracker as Tracker
-from lifecycle.testing import event_sequences
+from lifecycle.testing import event_sequences, fire_stock
 from lifecycle.testing import tracker_in as _tracker_in
 
 E = Event
@@ -128,7 +128,10 @@ class TestPolicy:
         reg = Registry(machine, Tracker)
         assert reg.fire("ghost", E.FINISH) is False
         assert machine.illegal_counts[(None, E.FINISH)] == 1
-        assert reg.fire("ghost", E.SAVE_DONE, known=False) is False
+        assert reg.fire_if_tracked("ghost", E.SAVE_DONE) is False
+        assert machine.illegal_counts[(None, E.SAVE_DONE)] == 0
+        with pytest.warns(DeprecationWarning, match="fire_if_tracked"):
+            assert reg.fire("ghost", E.SAVE_DONE, known=False) is False
         assert machine.illegal_counts[(None, E.SAVE_DONE)] == 0
         strict = Registry(LifecycleMachine(TABLE, strict=True), Tracker)
         with pytest.raises(UnknownRequest) as info:
@@ -229,7 +232,7 @@ class TestDifferential:
             seed.block_ids.extend([1, 2])
         for event in events:
             a = machine.fire(fast, event)
-            b = machine.fire_stock(stock, event)
+            b = fire_stock(machine, stock, event)
             assert a == b
             assert attrs.asdict(fast) == attrs.asdict(stock)
 

@@ -10,12 +10,17 @@ real-scheduler scenarios.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
+from connector.scheduler.admission import Ask, LookupEvent, LookupState
 from connector.scheduler.lookup import CHUNK, AsyncLookups, leading_hits
+from connector.scheduler.requests import REQUESTS
 from connector.scheduler.side import Role, SchedulerSide
 from lifecycle import LifecycleMachine
-from lifecycle.kv import TABLE, Event, State
+from lifecycle.kv import Event, State
 
 BS = 16
 
@@ -68,7 +73,7 @@ def make(clock, **kwargs) -> tuple[SchedulerSide, FakeLookup]:
         block_size=BS,
         role=Role.BOTH,
         lookup=lookup,
-        machine=LifecycleMachine(TABLE, strict=True),
+        machine=LifecycleMachine(REQUESTS, strict=True),
         threaded_lookups=False,
         **kwargs,
     )
@@ -145,14 +150,16 @@ def test_a_lookup_from_before_a_preemption_is_stale(clock):
     tracker = side.registry.get_or_create("a")
     side.registry.fire_on(tracker, Event.ALLOC_LOCAL)  # running
     # A lookup of epoch 0 in flight (vLLM asked while it waited).
-    side._pending["a"] = side.lookups.start("a", tracker, 0, [b"x" * 8])
+    lookup = side._new_lookup(tracker)
+    side._fire_lookup(lookup, LookupEvent.ASK, data=Ask((0, 1), 0.0))
+    side.lookups.start("a", lookup, lookup.epoch, [b"x" * 8])
     side.build_connector_meta(Step(preempted=["a"]))  # epoch 1, RESET
     assert tracker.state is State.RESET
     side.lookups.run_pending()
     side.build_connector_meta(Step())
     assert side.machine.stale_counts[(State.RESET, Event.LOOKUP_DONE)] == 1
     assert side.lookup_counts["refused"] == 1
-    assert tracker.lookup_key == (-1, -1)  # nothing cached from epoch 0
+    assert "a" not in side.lookup_registry  # nothing cached from epoch 0
     assert side.get_num_new_matched_tokens(a, 0) == (None, False)
 
 
@@ -244,3 +251,170 @@ def test_a_burst_is_asked_for_in_chunks():
     assert [p.found for p in pending] == [3] * n
     assert all(p.done for p in pending)
     assert len(lookups.take_completed()) == n
+
+
+class Blocks:
+    @staticmethod
+    def get_block_ids():
+        return ([1, 2, 3, 4, 5],)
+
+
+@pytest.mark.parametrize("answered_first", [True, False])
+def test_a_dropped_lookup_is_never_applied(clock, answered_first):
+    """vLLM admits a request whose lookup is in flight: the lookup is
+    dropped; an answer already back is fenced by the lookup's epoch (a
+    counted stale event), one not yet asked is never asked."""
+    side, store = make(clock)
+    a = Req("a")
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    side.build_connector_meta(Step())  # sent
+    lookup = side.lookup_registry.get("a")
+    assert lookup.state is LookupState.IN_FLIGHT
+    if answered_first:
+        side.lookups.run_pending()
+
+    side.update_state_after_alloc(a, Blocks(), 0)  # admitted unanswered
+
+    assert lookup.state is LookupState.DROPPED
+    assert "a" not in side.lookup_registry
+    assert side.pending_lookups == 0
+    side.lookups.run_pending()
+    side.build_connector_meta(Step())  # takes whatever came back
+    stale = side.lookup_machine.stale_counts
+    assert stale[(LookupState.DROPPED, LookupEvent.ANSWER)] == answered_first
+    assert store.calls == ([1] if answered_first else [])
+    assert lookup.hit_tokens == 0  # never applied
+    assert side.machine.illegal_counts == {}
+    assert side.registry.get("a").state is State.SAVING
+
+
+def test_every_lookup_state_is_reached(clock):
+    """Asked, in flight, answered, refreshing, dropped: each is a state
+    of the lookup table a real sequence of hooks reaches."""
+    side, lookup = make(clock)
+    lookup.stored = 1
+    a = Req("a")
+    seen = []
+    side.lookup_machine.add_observer(
+        lambda _tracker, source, _event, dest: seen.extend((source, dest))
+    )
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    clock[0] = 1.0
+    assert side.get_num_new_matched_tokens(a, 0) == (16, True)
+    side.request_finished(a, [])
+    assert set(seen) >= set(LookupState)
+
+
+def test_the_scheduler_thread_never_sleeps(monkeypatch):
+    """A burst sent in chunks and answers handed over: the scheduler
+    thread waits only for the lookup thread's signal, never on a timer."""
+    main = threading.current_thread()
+    slept = []
+    real_sleep = time.sleep
+
+    def spy(seconds):
+        if threading.current_thread() is main:
+            slept.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", spy)
+    fake = FakeLookup(stored=3)
+    lookups = AsyncLookups(lambda: fake, timeout_s=5.0)
+    try:
+        pending = [
+            lookups.start(f"r{i}", None, 0, Req(f"r{i}").block_hashes)
+            for i in range(2 * CHUNK + 5)
+        ]
+        lookups.dispatch()
+        lookups.handoff(pending[-1])
+        assert lookups.wait_idle(5.0)
+        assert all(p.done for p in pending)
+    finally:
+        lookups.close()
+    assert slept == []
+
+
+def test_the_lookups_clock_is_injected():
+    """Deadlines, refreshes and the miss memory run on the given clock."""
+    now = [50.0]
+    side = SchedulerSide(
+        block_size=BS,
+        role=Role.BOTH,
+        lookup=FakeLookup(),
+        machine=LifecycleMachine(REQUESTS, strict=True),
+        threaded_lookups=False,
+        lookup_timeout_s=0.05,
+        clock=lambda: now[0],
+    )
+    a = Req("a")
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    side.build_connector_meta(Step())
+    now[0] += 0.06  # past the deadline on the injected clock only
+    assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+    assert side.lookup_counts["timed_out"] == 1
+    assert side.recent.clock() == now[0]
+
+
+def test_a_reset_drops_lookups_and_asks_the_new_generation(clock):
+    """After `reset_generation` a waiting request's answer, cached or in
+    flight, is the new lookup's; the step's metadata names the
+    generation."""
+    side, old = make(clock)
+    a, b = Req("a"), Req("b")
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    assert side.get_num_new_matched_tokens(a, 0) == (32, True)  # cached
+    assert side.get_num_new_matched_tokens(b, 0) == (None, False)
+    side.build_connector_meta(Step())  # b's lookup dispatched, not run
+    assert side.build_connector_meta(Step()).generation is None
+    new = FakeLookup(stored=0)
+    side.reset_generation("g1", new)
+    assert side.pending_lookups == 0
+    assert side.lookup_counts["reset"] == 1
+    old_calls = list(old.calls)
+    side.lookups.run_pending()  # the old batch's answer is discarded
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    assert side.get_num_new_matched_tokens(b, 0) == (None, False)
+    meta = side.build_connector_meta(Step())
+    assert meta.generation == "g1"
+    side.lookups.run_pending()
+    assert side.get_num_new_matched_tokens(a, 0) == (0, False)
+    assert side.get_num_new_matched_tokens(b, 0) == (0, False)
+    assert new.calls == [2]
+    assert old.calls[len(old_calls) :] in ([], [1])
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_reset_stops_saves_of_admitted_requests(clock, reset):
+    """A request admitted before the reset saves no block computed after
+    it (its earlier KV came from the old weights); control: without the
+    reset it saves its prompt."""
+    side, lookup = make(clock)
+    lookup.stored = 0
+    req = Req("run")
+
+    class Blocks:
+        @staticmethod
+        def get_block_ids():
+            return ([1, 2, 3, 4, 5],)
+
+    class New:
+        req_id = "run"
+        block_ids = ([1, 2, 3, 4, 5],)
+        num_computed_tokens = 0
+
+    side.get_num_new_matched_tokens(req, 0)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, Blocks(), 0)
+    if reset:
+        side.reset_generation("g1", FakeLookup(stored=0))
+    step = Step()
+    step.scheduled_new_reqs = (New(),)
+    step.num_scheduled_tokens = {"run": req.num_prompt_tokens}
+    saves = side.build_connector_meta(step).jobs
+    assert [len(j.block_ids) for j in saves] == ([] if reset else [4])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.integration.vllm_connector import _StoreLookup
+from connector.scheduler.store_lookup import StoreLookup
 from connector.store.keys import KeyLayout, KeyScheme
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.vllm]
@@ -31,7 +31,7 @@ def test_a_block_shared_by_prefixes_is_asked_for_once(
 
     shared = [bytes([i + 1]) * 8 for i in range(4)]
     prefixes = [[*shared, bytes([100 + i]) * 8] for i in range(8)]
-    lookup = _StoreLookup(Counting(), (scheme,))
+    lookup = StoreLookup(Counting(), (scheme,))
     assert lookup.hit_blocks_many(prefixes) == [0] * 8
     assert len(asked) == 1
     assert len(asked[0]) == 4 + 8  # each distinct block once, not 8 * 5

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -166,6 +167,74 @@ class TestRealMaster:
         while process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not process_alive(pid)
+
+
+# An owner process: starts a master (from a thread that then exits, when
+# asked), prints its pid and whether it still serves, then waits to die.
+_OWNER = """
+import sys, threading, time
+from connector.ops.master import EmbeddedMaster
+masters = []
+def start():
+    masters.append(EmbeddedMaster(start_timeout_s=30).start())
+if sys.argv[1] == "thread":
+    t = threading.Thread(target=start)
+    t.start()
+    t.join()
+    time.sleep(0.5)  # the starting thread is gone
+else:
+    start()
+print(masters[0].pid, masters[0].is_ready(), flush=True)
+time.sleep(120)
+"""
+
+
+def _wait_gone(pid: int, timeout_s: float) -> float | None:
+    """Seconds until `pid` is gone (or a zombie); None if it is not."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if not process_alive(pid):
+            return time.monotonic() - started
+        time.sleep(0.02)
+    return None
+
+
+@pytest.mark.mooncake
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux"
+)
+class TestDiesWithOwner:
+    """A master whose owner dies without stopping it is not orphaned."""
+
+    @pytest.mark.parametrize(
+        ("how", "sig"),
+        [("main", "SIGKILL"), ("main", "SIGTERM"), ("thread", "SIGKILL")],
+    )
+    def test_owner_death_ends_the_master(self, master_binary, how, sig):
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        owner = subprocess.Popen(
+            [sys.executable, "-c", _OWNER, how],
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=REPO,
+        )
+        pid = None
+        try:
+            assert owner.stdout is not None
+            pid_text, ready = owner.stdout.readline().split()
+            pid = int(pid_text)
+            assert ready == b"True"  # started from any thread, it serves
+            assert process_alive(pid)
+            owner.send_signal(getattr(signal, sig))
+            owner.wait(timeout=10)
+            gone_after = _wait_gone(pid, 2.0)
+            assert gone_after is not None, f"master {pid} outlived its owner"
+        finally:
+            if owner.poll() is None:
+                owner.kill()
+                owner.wait(timeout=10)
+            if pid is not None and process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 class TestWithoutMaster:

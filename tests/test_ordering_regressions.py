@@ -1,4 +1,4 @@
-"""Every ordering bug of the connector reference (section 4), as a test.
+"""Every ordering bug of vLLM's KV connectors we know of, as a test.
 
 Each test replays the ordering that triggered one bug (or a few that share
 it) inside vLLM 0.33's real `Scheduler` / `AsyncScheduler`

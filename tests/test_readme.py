@@ -74,6 +74,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
 
     from connector.config import (  # noqa: PLC0415
         EventsConfig,
+        IdentityConfig,
         LookupConfig,
         StoreConfig,
         TraceConfig,
@@ -90,6 +91,8 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     lookups = LookupConfig()
     expected["lookup_timeout_ms"] = lookups.timeout_ms
     expected["lookup_max_pending"] = lookups.max_pending
+    expected["failed_load_ttl_s"] = lookups.failed_load_ttl_s
+    expected["weights_version"] = IdentityConfig().weights_version
     expected["kv_events_medium"] = EventsConfig().medium
     assert set(rows) == set(expected)
     for key, (default, meaning) in rows.items():

@@ -47,7 +47,7 @@ class _Out:
 
 
 def _side(store_client, *, threaded: bool) -> SchedulerSide:
-    from connector.integration.vllm_connector import _StoreLookup  # noqa: PLC0415
+    from connector.scheduler.store_lookup import StoreLookup  # noqa: PLC0415
 
     scheme = KeyScheme(
         namespace="guard",
@@ -59,7 +59,7 @@ def _side(store_client, *, threaded: bool) -> SchedulerSide:
     return SchedulerSide(
         block_size=BS,
         role=Role.BOTH,
-        lookup=_StoreLookup(store_client, (scheme,)),
+        lookup=StoreLookup(store_client, (scheme,)),
         threaded_lookups=threaded,
     )
 

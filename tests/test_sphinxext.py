@@ -40,10 +40,10 @@ USER_TABLE = textwrap.dedent(
         FINISH = "finish"
         ABORT = "abort"
 
-    def note(tracker):
+    def note(tracker, data):
         pass
 
-    def ready(tracker):
+    def ready(tracker, data):
         return True
 
     TABLE = Table(

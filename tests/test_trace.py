@@ -305,9 +305,8 @@ def test_cli_replay_text_and_json(traced, capsys):
     writer.close()
     assert main(["replay", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert {k: out[k] for k in ("transitions", "illegal", "stale")} == (
-        summarize(machine)
-    )
+    keys = ("transitions", "illegal", "stale", "refused")
+    assert {k: out[k] for k in keys} == summarize(machine)
     assert out["requests"]["r1"]["first_illegal"] == {
         "line": 8,
         "state": "RESET",
@@ -449,7 +448,7 @@ def test_the_event_path_never_writes_the_file(tmp_path):
             return True
 
         def write(self, data):
-            holding = machine._lock.locked()
+            holding = machine._busy[0]  # inside a transition
             writes.append((threading.current_thread().name, holding))
             return len(data)
 

@@ -23,6 +23,11 @@ EXPECTED = {
     15: 'Argument 2 to "fire" of "Registry" has incompatible type "Event"; '
     'expected "JobEvent"',
     16: '"JobTracker" has no attribute "attemps"',
+    17: 'Argument "data" to "__call__" of "_Fire" has incompatible type '
+    '"str"; expected "int | None"',
+    18: 'Cannot infer value of type parameter "T" of "Registry"',
+    19: 'incompatible type "KVTracker"; expected '
+    '"Tracker[JobState, Hashable]"',
 }
 
 

@@ -19,6 +19,7 @@ import attrs
 import pytest
 
 from lifecycle import (
+    GuardRefused,
     IllegalTransition,
     InvalidTable,
     LifecycleMachine,
@@ -29,7 +30,7 @@ from lifecycle import (
     define_tracker,
     render,
 )
-from lifecycle.testing import table_tests, tracker_in
+from lifecycle.testing import fire_stock, table_tests, tracker_in
 from lifecycle.trace import TraceWriter, replay_file, summarize
 from tests.user_lifecycle import (
     MAX_ATTEMPTS,
@@ -81,12 +82,19 @@ class TestUserTable:
         assert (tracker.state, tracker.attempts) == (S.WAITING, 1)
 
     def test_a_guard_refuses_without_an_illegal_count(self) -> None:
-        machine = _machine(strict=True)
+        machine = _machine()
         tracker = JobTracker("r", state=S.ABORTED, attempts=MAX_ATTEMPTS)
         assert machine.fire(tracker, E.RETRY) is False
         assert tracker.state is S.ABORTED
         assert machine.guard_counts[(S.ABORTED, E.RETRY)] == 1
         assert machine.illegal_total == 0
+        strict = _machine(strict=True)
+        with pytest.raises(GuardRefused) as info:
+            strict.fire(tracker, E.RETRY)
+        assert (info.value.state, info.value.event) == (S.ABORTED, E.RETRY)
+        assert info.value.table == "consumer"
+        assert tracker.state is S.ABORTED
+        assert strict.illegal_total == 0
 
     def test_enter_hooks_run_on_every_row_into_the_state(self) -> None:
         machine = _machine()
@@ -127,7 +135,8 @@ class TestUserTable:
         class Other(Tracker[JobState]):
             state: JobState = JobState.WAITING
 
-        def release(tracker: Other) -> None:  # the user table has one too
+        # The user table has a `release` too.
+        def release(tracker: Other, _data: object = None) -> None:
             calls.append(tracker.req_id)
 
         other = Table(
@@ -150,10 +159,10 @@ class TestCallbackFailure:
 
     @staticmethod
     def _table(after: tuple[object, ...]) -> Table[JobState, JobEvent]:
-        def bump(tracker: Tracker[JobState]) -> None:
+        def bump(tracker: Tracker[JobState], _data: object = None) -> None:
             tracker.epoch += 1
 
-        def boom(tracker: Tracker[JobState]) -> None:
+        def boom(tracker: Tracker[JobState], _data: object = None) -> None:
             msg = f"boom for {tracker.req_id}"
             raise RuntimeError(msg)
 
@@ -270,8 +279,8 @@ class TestComposition:
         fast, stock = JobTracker("a"), JobTracker("b")
         path = [E.ALLOC, E.RECEIVED, E.ABORT, E.RETRY, E.ALLOC, E.RECEIVED]
         for event in [*path, E.RETRY, E.FINISH]:
-            assert machine.fire(fast, event) == machine.fire_stock(
-                stock, event
+            assert machine.fire(fast, event) == fire_stock(
+                machine, stock, event
             )
             assert attrs.asdict(fast, filter=_not_id) == attrs.asdict(
                 stock, filter=_not_id
@@ -350,9 +359,8 @@ class TestToolsTakeAnyTable:
         done = _cli("table", "--table", self.SPEC, cwd=tmp_path)
         assert done.returncode == 0
         assert done.stdout == render.to_markdown(TABLE)
-        assert "| ABORTED | `retry` | WAITING | `count_attempt` |" in (
-            done.stdout
-        )
+        row = "| ABORTED | `retry` | `can_retry` | WAITING | `count_attempt` |"
+        assert row in done.stdout
 
     def test_an_unknown_table_is_a_usage_error(self, tmp_path) -> None:
         done = _cli("table", "--table", "tests.user_lifecycle:NOPE", cwd=ROOT)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+import attrs
 import pytest
 import torch
 
@@ -117,6 +118,30 @@ class TestWorkerLifecycle:
         keys = w._keys.keys([*old.block_hashes, *new.block_hashes])
         assert store_client.exists(keys).hit_prefix == 4  # both wrote
         assert dict(w.machine.illegal_counts) == {}
+
+    def test_a_job_keeps_the_generation_of_its_step(
+        self, make, job, store_client
+    ):
+        """A save issued before a cache reset and run after the next step
+        named a new generation is stored under its own (old) generation;
+        the next step's save uses the new one."""
+        gate = Gate(store_client, gets=False)
+        w = make(store=gate)
+        first = job(1, SAVE, "p", 0, [6, 7], ["c0", "c1"])
+        old = job(4, SAVE, "r", 0, [0, 1], ["a0", "a1"])
+        step(w, ConnectorMeta(step=1, jobs=(first, old)))
+        assert gate.entered.wait(10)  # `first` in flight, `old` queued
+        new = job(2, SAVE, "q", 0, [2, 3], ["b0", "b1"])
+        step(w, ConnectorMeta(step=2, jobs=(new,), generation="g1"))
+        gate.release()
+        assert {r.job_id for r in settle(w, 3)[1]} == {1, 2, 4}
+        base = w._keys
+        moved = attrs.evolve(base, generation="g1")
+        exists = store_client.exists
+        assert exists(base.keys(old.block_hashes)).hit_prefix == 2
+        assert exists(moved.keys(old.block_hashes)).hit_prefix == 0
+        assert exists(moved.keys(new.block_hashes)).hit_prefix == 2
+        assert exists(base.keys(new.block_hashes)).hit_prefix == 0
 
     def test_load_failure_is_reported_exactly_once(self, make, job):
         """Partial miss: one receive completion, the missing blocks once."""

@@ -45,38 +45,41 @@ class JobTracker(Tracker[JobState]):
     state: JobState = JobState.WAITING
     blocks: list[int] = attrs.field(factory=list)
     receiving: int = 0
+    received: int = 0
     attempts: int = 0
     runs: int = 0
 
 
-def settle(tracker: JobTracker) -> None:
-    """Nothing is being received any more."""
+def settle(tracker: JobTracker, received: int | None = None) -> None:
+    """Nothing is being received any more; `received` tokens arrived."""
     tracker.receiving = 0
+    if received:
+        tracker.received += received
 
 
-def release(tracker: JobTracker) -> None:
+def release(tracker: JobTracker, _data: object = None) -> None:
     """Forget the blocks."""
     tracker.blocks.clear()
 
 
-def count_attempt(tracker: JobTracker) -> None:
+def count_attempt(tracker: JobTracker, _data: object = None) -> None:
     """One more try."""
     tracker.attempts += 1
 
 
-def can_retry(tracker: JobTracker) -> bool:
+def can_retry(tracker: JobTracker, _data: object = None) -> bool:
     """Retry while attempts remain."""
     return tracker.attempts < MAX_ATTEMPTS
 
 
-def started(tracker: JobTracker) -> None:
+def started(tracker: JobTracker, _data: object = None) -> None:
     """Enter hook of RUNNING."""
     tracker.runs += 1
 
 
 S, E = JobState, JobEvent
 
-TABLE = Table(
+TABLE: Table[JobState, JobEvent, int | None] = Table(
     [
         Row(S.WAITING, E.ALLOC, S.RECEIVING),
         Row(S.WAITING, E.ABORT, S.ABORTED),

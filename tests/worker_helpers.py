@@ -98,7 +98,15 @@ def assert_same_blocks(kv_a, a_ids, kv_b, b_ids, num_blocks):
 
 
 def make_worker(
-    client, unique, kv, num_blocks, tokens, *, store=None, staging_blocks=None
+    client,
+    unique,
+    kv,
+    num_blocks,
+    tokens,
+    *,
+    store=None,
+    staging_blocks=None,
+    spawn=None,
 ):
     """A worker over `kv` whose keys live in the test's own namespace."""
     probe = next(iter(kv.values()))
@@ -125,6 +133,7 @@ def make_worker(
         Regions,
         register=client.register,
         staging_blocks=staging_blocks,
+        **({} if spawn is None else {"spawn": spawn}),
     )
 
 

@@ -15,24 +15,33 @@ Once the package is installed, vLLM finds it by name (the
 Without the installed entry point, add
 ``kv_connector_module_path="connector.integration.vllm_connector"``.
 
-This module is the role facade: every hook is a one-line delegation to
-`connector.scheduler.side.SchedulerSide` or `connector.worker.side.WorkerSide`,
-which hold no vLLM import.  Importing it imports vLLM.
+This module is the role facade: it builds the two halves from vLLM's
+config (key schemes: `connector.integration.layout`; the admission
+lookup: `connector.scheduler.store_lookup`) and every hook is a one-line
+delegation to `connector.scheduler.side.SchedulerSide` or
+`connector.worker.side.WorkerSide`, which hold no vLLM import.  Importing
+it imports vLLM.
 
 The connector declares vLLM's `SupportsHMA`: it runs with the hybrid KV
 cache manager, over full-attention and sliding-window KV cache groups
 (`connector.groups`); a model with any other group kind (Mamba/SSM
 state, ...) is refused at start-up with `UnsupportedKVGroups`.
+
+Identity: a stored block's key names the model as configured (full name
+or path, and revision), the TP shard, the pipeline stage, the layout and
+a weights generation (`connector.store.keys`).  Pipeline parallelism is
+refused at start-up (`UnsupportedParallelism`): the scheduler half sees
+one stage's layout and could not tell whether every stage's blocks are
+stored.  `reset_cache` moves to a new weights generation.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from pathlib import PurePath
+import uuid
 from typing import TYPE_CHECKING, Any, Final
 
-import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -44,13 +53,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from connector.config import (
     EventsConfig,
+    IdentityConfig,
     LookupConfig,
     StoreConfig,
     TraceConfig,
 )
 from connector.errors import ConfigError
-from connector.groups import KVGroups, Lane
+from connector.groups import KVGroups
 from connector.integration.kv_events import hit_sources, vllm_events
+from connector.integration.layout import (
+    Schemes,
+    key_layout,
+    pipeline_size,
+    tp_rank,
+)
 from connector.integration.stats import (
     LifecycleConnectorStats,
     LifecyclePromMetrics,
@@ -58,17 +74,17 @@ from connector.integration.stats import (
 )
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
 from connector.scheduler.events import StoreEvents
-from connector.scheduler.failed_keys import DEFAULT_TTL_S, FailedKeys
-from connector.scheduler.lookup import leading_hits
+from connector.scheduler.failed_keys import FailedKeys
 from connector.scheduler.side import Role, SchedulerSide
+from connector.scheduler.store_lookup import StoreLookup
 from connector.store import Regions, StoreClient, clients
-from connector.store.keys import KeyLayout, KeyScheme
+from connector.worker.lanes import Lane
 from connector.worker.side import WorkerSide
 from connector.worker.transfer import KVLayout, open_transfer
 from lifecycle.trace import TraceError, TraceWriter
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Iterable
 
     import torch
     from vllm.distributed.kv_events import KVCacheEvent
@@ -107,79 +123,6 @@ class LifecycleWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
-@attrs.frozen
-class _StoreLookup:
-    """Asks the store how many leading blocks every TP shard holds.
-
-    With several KV cache groups (`groups`, one scheme per shard and
-    group, group-major), the hit is the longest prefix every group can
-    serve (`KVGroups.hit_blocks`).
-    """
-
-    client: Any
-    schemes: tuple[KeyScheme, ...]
-    groups: KVGroups | None = None
-
-    def hit_blocks(self, block_hashes: Sequence[bytes]) -> int:
-        return self.hit_blocks_many([block_hashes])[0]
-
-    def hit_blocks_many(
-        self, prefixes: Sequence[Sequence[bytes]]
-    ) -> list[int]:
-        """Every prefix's hit, over every shard and group, in one call.
-
-        Without hybrid groups a block shared by several prefixes is asked
-        for once.
-        """
-        if self.groups is not None and self.groups.hybrid:
-            hashes = [h for p in prefixes for h in p]
-            if not hashes:
-                return [0] * len(prefixes)
-            keys = [k for s in self.schemes for k in s.keys(hashes)]
-            flags = self.client.exists(keys).succeeded
-            sizes = [len(p) for p in prefixes]
-            return _hybrid_hits(flags, sizes, len(self.schemes), self.groups)
-        unique = list(dict.fromkeys(h for p in prefixes for h in p))
-        if not unique:
-            return [0] * len(prefixes)
-        keys = [k for s in self.schemes for k in s.keys(unique)]
-        codes = self.client.exists(keys).codes
-        return leading_hits(prefixes, unique, codes, len(self.schemes))
-
-
-def _hybrid_hits(
-    flags: Sequence[bool], sizes: Sequence[int], schemes: int, groups: KVGroups
-) -> list[int]:
-    """Per prefix, `KVGroups.hit_blocks` over group-major scheme flags."""
-    total = sum(sizes)
-    per_group = len(groups.groups)
-    shards = schemes // per_group
-    held = []  # per group: per hash, held by every shard
-    for g in range(per_group):
-        rows = [
-            flags[(g * shards + r) * total : (g * shards + r + 1) * total]
-            for r in range(shards)
-        ]
-        held.append([all(col) for col in zip(*rows, strict=True)])
-    hits, start = [], 0
-    for size in sizes:
-        hits.append(groups.hit_blocks([h[start : start + size] for h in held]))
-        start += size
-    return hits
-
-
-def _layout(kv_cache_config: Any, index: int = 0) -> KeyLayout:
-    group = kv_cache_config.kv_cache_groups[index]
-    spec = group.kv_cache_spec
-    layers = len(group.layer_names)
-    return KeyLayout(
-        dtype=str(spec.dtype).removeprefix("torch."),
-        block_tokens=spec.block_size,
-        block_bytes=spec.page_size_bytes * layers,
-        detail=f"{layers}layers",
-    )
-
-
 def _open_trace(
     trace: TraceConfig, scheduler: SchedulerSide | None
 ) -> TraceWriter | None:
@@ -196,37 +139,24 @@ def _open_trace(
     return writer
 
 
-def _failed_load_ttl_s(extra: dict[str, Any]) -> float:
-    """``failed_load_ttl_s``: how long a failed load's blocks are skipped.
-
-    Size it to the master's ``client_ttl`` + 1 s (default 15 s).
-    """
-    key = "failed_load_ttl_s"
-    value = extra.get(key, DEFAULT_TTL_S)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not value > 0
-    ):
-        raise ConfigError(key, value, "expected a positive number of seconds")
-    return float(value)
-
-
 def _kv_events_on(vllm_config: Any) -> bool:
     """Whether vLLM publishes KV-cache events (``--kv-events-config``)."""
     events = getattr(vllm_config, "kv_events_config", None)
     return bool(events is not None and events.enable_kv_cache_events)
 
 
-def _tp_rank() -> int:
-    try:
-        from vllm.distributed import (  # noqa: PLC0415 - needs a worker
-            get_tensor_model_parallel_rank,
+def _warn_failure_policy(transfer: Any) -> None:
+    """WARN when vLLM fails requests whose load failed (policy ``fail``)."""
+    policy = getattr(transfer, "kv_load_failure_policy", "recompute")
+    if policy == "fail":
+        log.warning(
+            "kv_transfer_config.kv_load_failure_policy is 'fail' (vLLM's "
+            "default): a load the store cannot serve (a dead or hung peer, "
+            "a master restart, an evicted block) will fail its request "
+            "with an error instead of recomputing the blocks. Set "
+            '"kv_load_failure_policy": "recompute" to keep serving '
+            "through store faults."
         )
-
-        return int(get_tensor_model_parallel_rank())
-    except (AssertionError, ImportError, RuntimeError):
-        return 0
 
 
 class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
@@ -256,24 +186,31 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         trace = TraceConfig.from_extra_config(extra)
         lookups = LookupConfig.from_extra_config(extra)
         self._events_medium = EventsConfig.from_extra_config(extra).medium
+        identity = IdentityConfig.from_extra_config(extra)
         parallel = vllm_config.parallel_config
         tp_size = parallel.tensor_parallel_size
-        model = PurePath(str(vllm_config.model_config.model)).name
+        pp_size = pipeline_size(parallel)
+        model_config = vllm_config.model_config
         self._groups = KVGroups.from_kv_cache_config(kv_cache_config)
-        layouts = [
-            _layout(kv_cache_config, g.index) for g in self._groups.groups
-        ]
-
-        def scheme(rank: int, group: int = 0) -> KeyScheme:
-            return KeyScheme(
-                namespace=self._store_config.namespace,
-                model=model,
-                tp_rank=rank,
-                tp_size=tp_size,
-                layout=layouts[group],
-                kv_group=group,
-            )
-
+        self._weights_version = identity.weights_version
+        schemes = Schemes(
+            namespace=self._store_config.namespace,
+            model=str(model_config.model),
+            revision=str(getattr(model_config, "revision", None) or ""),
+            generation=identity.weights_version,
+            tp_size=tp_size,
+            pp_size=pp_size,
+            layouts=tuple(
+                key_layout(kv_cache_config, g.index)
+                for g in self._groups.groups
+            ),
+        )
+        self._schemes = schemes
+        worker = role != KVConnectorRole.SCHEDULER
+        rank = tp_rank(tp_size) if worker and tp_size > 1 else 0
+        self._keys = schemes.of_rank(rank)
+        if not worker:
+            _warn_failure_policy(transfer)
         self._client: StoreClient | None = clients.acquire(
             self._store_config,
             contribute=role != KVConnectorRole.SCHEDULER,
@@ -281,8 +218,6 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._registered: list[int] = []
-        rank = _tp_rank() if tp_size > 1 else 0
-        self._keys = [scheme(rank, g.index) for g in self._groups.groups]
         self._num_blocks = kv_cache_config.num_blocks
         try:
             if role == KVConnectorRole.SCHEDULER:
@@ -292,19 +227,13 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                     if hybrid
                     else vllm_config.cache_config.block_size,
                     role=Role(transfer.kv_role),
-                    lookup=_StoreLookup(
-                        self._client,
-                        tuple(
-                            scheme(r, g.index)
-                            for g in self._groups.groups
-                            for r in range(tp_size)
-                        ),
-                        self._groups,
+                    lookup=StoreLookup(
+                        self._client, schemes.every_shard(), self._groups
                     ),
                     world_size=parallel.world_size,
                     lookup_timeout_s=lookups.timeout_ms / 1000,
                     max_pending=lookups.max_pending,
-                    failed_keys=FailedKeys(_failed_load_ttl_s(extra)),
+                    failed_keys=FailedKeys(lookups.failed_load_ttl_s),
                     groups=self._groups if hybrid else None,
                 )
                 if _kv_events_on(vllm_config):
@@ -431,6 +360,47 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         events = self._scheduler.jobs.events if self._scheduler else None
         if events is not None:
             events.cleared()
+
+    def reset_cache(self) -> bool | None:
+        """Move to a new weights generation: KV stored before never hits.
+
+        vLLM 0.33 calls it on the scheduler-role connector for
+        ``reset_prefix_cache(reset_connector=True)`` (RL frameworks do,
+        after every weight update).  The new generation,
+        ``<weights_version>+reset-<random>``, is this instance's own: no
+        earlier KV and no other instance shares its keys, since nothing
+        tells the connector which weights another instance now holds.
+        Later lookups and jobs use it (the worker half learns it from the
+        step's metadata); jobs already issued keep theirs.  Old keys are
+        not removed: instances that did not reset still serve them, and
+        the master's eviction reclaims them once unused.  With vLLM's KV
+        events on, routers are told (`store_cleared`: `AllBlocksCleared`):
+        nothing this instance stored before will be loaded again.
+
+        Returns:
+            True once moved (scheduler role); False after `shutdown`;
+            None in the worker role (vLLM does not call it there).
+        """
+        if self._scheduler is None:
+            return None
+        if self._client is None:
+            return False
+        generation = f"{self._weights_version}+reset-{uuid.uuid4().hex}"
+        self._scheduler.reset_generation(
+            generation,
+            StoreLookup(
+                self._client,
+                self._schemes.of_generation(generation).every_shard(),
+                self._groups,
+            ),
+        )
+        self.store_cleared()
+        log.info(
+            "kv-lifecycle: cache reset, new weights generation %r; KV "
+            "stored before it will not be loaded",
+            generation,
+        )
+        return True
 
     def wait_for_lookups(self, timeout_s: float) -> bool:
         """Block until this step's lookups ran: harnesses and tests only.

@@ -1,8 +1,8 @@
 """An embedded ``mooncake_master``: ``kv-lifecycle master``, tests, demos.
 
-Part of the product, decided once: ``kv-lifecycle master``
-(``connector.ops.cli``) is an operator command that runs a single-node master
-through this module, so it stays in ``connector/`` (and ships in the wheel)
+Part of the product: ``kv-lifecycle master`` (``connector.ops.cli``) is
+an operator command that runs a single-node master through this module,
+so it lives in ``connector/`` (and ships in the wheel)
 with its errors in ``connector.errors`` and its config constructor
 (``store_config_for``) beside it, rather than moving to the test harness.
 Tests, demos and benchmarks use it too, through the same public API.
@@ -11,7 +11,11 @@ Tests, demos and benchmarks use it too, through the same public API.
 chosen or free loopback ports, waits until it serves requests, forwards its
 output to Python logging and always stops it again (context manager,
 explicit ``stop()``, and a finalizer that also runs at interpreter exit).
-``kill()``, ``pause()``, ``resume()`` and ``restart()`` inject faults.
+On Linux the master also dies with its owner when the owner cannot stop
+it (SIGKILL, an unhandled SIGTERM, a crash): it is started with a
+parent-death signal (``PR_SET_PDEATHSIG``), so no orphaned master keeps
+its ports. ``kill()``, ``pause()``, ``resume()`` and ``restart()``
+inject faults.
 
 Example::
 
@@ -23,12 +27,14 @@ Example::
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import enum
 import importlib.util
 import json
 import logging
 import os
+import queue
 import re
 import shutil
 import signal
@@ -74,6 +80,84 @@ HOST = "127.0.0.1"
 _LOG_TAIL_LINES = 50
 _POLL_S = 0.05
 _MiB = 1024 * 1024
+
+
+# Runs between the owner and the master binary: asks the kernel to
+# SIGKILL this process when its parent dies (PR_SET_PDEATHSIG = 1; kept
+# across execve), gives up if the owner died already, then becomes the
+# master (same pid, so signals and /proc reach the master itself).
+_LAUNCHER: Final = """\
+import ctypes, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
+    sys.stderr.write("W0000 00:00:00 launcher: PR_SET_PDEATHSIG failed\\n")
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(0)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _dies_with_owner(argv: list[str]) -> list[str]:
+    """`argv` behind the parent-death launcher (Linux; else unchanged)."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    launcher = [sys.executable, "-I", "-S", "-c", _LAUNCHER]
+    return [*launcher, str(os.getpid()), *argv]
+
+
+class _Spawner:
+    """Starts masters from one thread that lives as long as the process.
+
+    Linux sends the parent-death signal when the *thread* that forked
+    the child exits, not the process: a master started from a
+    short-lived thread would die with that thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[
+            tuple[
+                concurrent.futures.Future[subprocess.Popen[bytes]],
+                list[str],
+                dict[str, Any],
+            ]
+        ] = queue.SimpleQueue()
+
+    def popen(self, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        """``subprocess.Popen(argv, **kwargs)``, run on the spawner thread.
+
+        Raises:
+            OSError: as ``Popen`` does.
+        """
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._serve,
+                    name="mooncake-master-spawner",
+                    daemon=True,
+                )
+                self._thread.start()
+        future: concurrent.futures.Future[subprocess.Popen[bytes]] = (
+            concurrent.futures.Future()
+        )
+        self._jobs.put((future, argv, kwargs))
+        return future.result()
+
+    def _serve(self) -> None:
+        while True:
+            future, argv, kwargs = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                proc = subprocess.Popen(argv, **kwargs)  # noqa: S603
+            except BaseException as exc:  # noqa: BLE001 - handed over
+                future.set_exception(exc)
+            else:
+                future.set_result(proc)
+
+
+_SPAWNER: Final = _Spawner()
 
 
 class MasterAddresses(Protocol):
@@ -283,7 +367,9 @@ class EmbeddedMaster:
       and the RPC port accepts connections; it retries with new ports when
       the process exits early (a port race), and raises
       ``MasterStartError`` otherwise. The process never outlives the
-      interpreter: a ``weakref.finalize`` (run at exit too) stops it.
+      interpreter: a ``weakref.finalize`` (run at exit too) stops it,
+      and on Linux the kernel kills it when the owner process dies
+      without stopping it (SIGKILL, an unhandled SIGTERM).
     - ``stop()`` is idempotent and bounded: SIGTERM, then SIGKILL after
       ``stop_timeout_s``.
     - ``restart()`` brings the master back on the *same* ports (clients
@@ -594,9 +680,15 @@ class EmbeddedMaster:
         env.setdefault("GLOG_minloglevel", "1")
         log.debug("starting mooncake_master: %s", " ".join(argv))
         self._tail.clear()
+        binary = Path(argv[0])
+        if not (binary.is_file() and os.access(binary, os.X_OK)):
+            # Checked here: behind the launcher, a bad binary would only
+            # show as an early exit of the launcher.
+            reason = f"cannot execute {argv[0]}: not an executable file"
+            raise MasterStartError(reason, None, attempt, ())
         try:
-            proc = subprocess.Popen(  # noqa: S603 - argv built from our flags
-                argv,
+            proc = _SPAWNER.popen(
+                _dies_with_owner(argv),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -45,14 +45,17 @@ from typing import TYPE_CHECKING, Final
 
 import attrs
 
+from connector.config import DEFAULT_FAILED_LOAD_TTL_S
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Hashable, Iterable, Sequence
 
 __all__ = ["DEFAULT_CAPACITY", "DEFAULT_TTL_S", "FailedKeys", "FailedStats"]
 
-DEFAULT_TTL_S: Final = 15.0
+DEFAULT_TTL_S: Final = DEFAULT_FAILED_LOAD_TTL_S
 """Mooncake's default ``client_ttl`` (10 s) plus the ~1 s the master
-takes to drop a dead client's keys, plus margin."""
+takes to drop a dead client's keys, plus margin (the default of the
+``failed_load_ttl_s`` key)."""
 DEFAULT_CAPACITY: Final = 65_536
 DEFAULT_MAX_WAIT_S: Final = 0.5
 """A healthy load of a prefix takes milliseconds to a few hundred (TCP);

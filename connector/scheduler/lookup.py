@@ -32,7 +32,8 @@ from typing import Any, Final, Protocol
 import attrs
 
 log: Final = logging.getLogger(__name__)
-#: Longest `AsyncLookups.handoff` yields the GIL to the lookup thread.
+#: Longest the scheduler thread waits for the lookup thread to signal
+#: that it took the GIL (`AsyncLookups.handoff`, a burst's chunk).
 HANDOFF_S: Final = 0.0001
 #: Most lookups in one store call: a burst is asked for in chunks, so the
 #: first answers arrive early and the lookup thread holds the GIL for
@@ -89,24 +90,25 @@ def batching(lookup: Any) -> BatchLookup:
 
 @attrs.define(slots=True, eq=False)
 class PendingLookup:
-    """One request's lookup, from `start` until the scheduler takes it.
+    """One lookup as the lookup thread sees it: a message and its answer.
+
+    Where the lookup stands (asked, in flight, answered, dropped) is the
+    state of its tracker (`connector.scheduler.admission`); this record
+    only carries the question and, once `done`, the answer.
 
     Attributes:
         req_id: The request.
-        tracker: The request's tracker when the lookup started (a reused
-            request id gets a new tracker, so identity fences it).
-        epoch: The tracker's epoch when the lookup started.
+        tracker: The lookup's tracker (None in tests of this module).
+        epoch: The tracker's epoch when the lookup was sent: once the
+            tracker moved on (superseded, dropped), the answer is stale
+            and the thread skips it if it has not asked yet.
         hashes: The block hashes asked about.
-        deadline: `time.monotonic()` past which nobody waits for it.
+        deadline: Clock time past which nobody waits for it.
         batch: `AsyncLookups.batches` when it started (sent at the end
             of that step, as batch number `batch + 1`).
         found: Leading blocks stored (valid once `done`).
         done: Set by the lookup thread once `found` is final.
         expired: The thread skipped it (deadline passed, never sent).
-        abandoned: The scheduler half stopped waiting for it.
-        taken: The scheduler half consumed its answer.
-        refresh: It refreshes an answer already given (the request is
-            not held back for it).
     """
 
     req_id: str
@@ -118,9 +120,12 @@ class PendingLookup:
     found: int = 0
     done: bool = False
     expired: bool = False
-    abandoned: bool = False
-    taken: bool = False
-    refresh: bool = False
+
+    @property
+    def stale(self) -> bool:
+        """Its tracker moved on: nobody will take the answer."""
+        tracker = self.tracker
+        return tracker is not None and tracker.epoch != self.epoch
 
     @property
     def asked(self) -> int:
@@ -141,11 +146,16 @@ class AsyncLookups:
         threaded: Run batches on a daemon thread (the default).  False
             leaves them queued until `run_pending` (deterministic tests).
         clock: Monotonic seconds.
+        on_send: Called on the scheduler thread with each batch as it is
+            handed to the lookup thread.
+        handoff_s: Longest the scheduler thread waits for the lookup
+            thread's signal after sending it work (0: never waits).
 
     Thread safety: `start`, `dispatch`, `take_completed` and `close` are
     called from the scheduler thread only; the lookup thread only writes
     `found`, `done` and `expired` of queued lookups and appends them to
-    the completed queue (a `collections.deque`, atomic under the GIL).
+    the completed queue (a `collections.deque`, atomic under the GIL);
+    it reads a lookup's tracker epoch only to skip a stale one.
     """
 
     def __init__(
@@ -155,8 +165,15 @@ class AsyncLookups:
         timeout_s: float,
         threaded: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        on_send: Callable[[list[PendingLookup]], None] | None = None,
+        handoff_s: float = HANDOFF_S,
     ) -> None:
         self._lookup = lookup
+        self._on_send = on_send
+        self.handoff_s = handoff_s
+        # Set by the lookup thread each time it holds the GIL for a
+        # batch: before a store call, and once answers are posted.
+        self._signal = threading.Event()
         self.timeout_s = timeout_s
         self.clock = clock
         self._batch: list[PendingLookup] = []
@@ -183,7 +200,11 @@ class AsyncLookups:
     def start(
         self, req_id: str, tracker: Any, epoch: int, hashes: Sequence[bytes]
     ) -> PendingLookup:
-        """Queue a lookup into this step's batch (sent by `dispatch`)."""
+        """Queue a lookup into this step's batch (sent by `dispatch`).
+
+        `epoch` is the epoch `tracker` will have while it waits for this
+        answer (see `PendingLookup.stale`).
+        """
         pending = PendingLookup(
             req_id,
             tracker,
@@ -194,13 +215,13 @@ class AsyncLookups:
         )
         self._batch.append(pending)
         if len(self._batch) >= CHUNK:
-            # A burst: send what fills a store call now, and let the
-            # thread take the GIL long enough to start the call, so the
-            # store answers while this step is still being scheduled
-            # (else the thread waits for the 5 ms switch interval).
+            # A burst: send what fills a store call now, and hand the
+            # thread the GIL until it signals it is in the store call,
+            # so the store answers while this step is still being
+            # scheduled (else the thread waits for the 5 ms switch
+            # interval).
             self.dispatch()
-            if self._thread is not None:
-                time.sleep(HANDOFF_S)
+            self._yield()
         return pending
 
     def dispatch(self) -> int:
@@ -210,6 +231,8 @@ class AsyncLookups:
             return 0
         self._batch = []
         self.batches += 1
+        if self._on_send is not None:
+            self._on_send(batch)
         with self._idle:
             self._running += 1
         with self._wake:
@@ -223,10 +246,11 @@ class AsyncLookups:
         The thread needs the GIL to turn the store's answer into
         `found`; a scheduler thread busy in Python hands it over only
         every switch interval (5 ms), often after the next step asked.
-        So, for a lookup already sent, yield for at most `HANDOFF_S` once
-        per batch sent (once per step, plus once per chunk a burst sent
-        early).  Never a wait on the store: a call still in flight holds
-        no GIL, and the sleep ends regardless.
+        So, for a lookup already sent, hand the GIL over once per batch
+        sent (once per step, plus once per chunk a burst sent early):
+        wait for the thread's signal that it posted answers, at most
+        `handoff_s`.  Never a wait on the store: a call still in flight
+        holds no GIL and sends no signal, and the wait ends regardless.
         """
         if pending.done or self._thread is None:
             return pending.done
@@ -234,10 +258,17 @@ class AsyncLookups:
             self._handoff_batch == self.batches
             or pending.batch >= self.batches
         ):
-            return False  # yielded this step already, or not yet sent
+            return False  # handed over this step already, or not sent
         self._handoff_batch = self.batches
-        time.sleep(HANDOFF_S)
+        self._yield()
         return pending.done
+
+    def _yield(self) -> None:
+        """Hand the GIL to the lookup thread until it signals, bounded."""
+        if self._thread is None or self.handoff_s <= 0:
+            return
+        self._signal.clear()
+        self._signal.wait(self.handoff_s)
 
     def take_completed(self) -> list[PendingLookup]:
         """Lookups the thread finished since the last call."""
@@ -321,7 +352,7 @@ class AsyncLookups:
                     time.sleep(0)
                 now = self.clock()
                 for p in batch[start : start + CHUNK]:
-                    if p.abandoned:  # the scheduler half took it already
+                    if p.stale:  # nobody waits for it any more
                         p.done = True
                     elif p.deadline <= now:
                         p.expired = p.done = True
@@ -339,6 +370,7 @@ class AsyncLookups:
     def _ask(self, live: list[PendingLookup]) -> None:
         """One store call for `live`; each is done (0 found on error)."""
         self.store_calls += 1
+        self._signal.set()  # in the store call: the GIL is free again
         try:
             found = self._lookup().hit_blocks_many([p.hashes for p in live])
         except Exception:
@@ -349,6 +381,7 @@ class AsyncLookups:
             p.found = min(max(int(n), 0), p.asked)
             p.done = True
         self._completed.extend(live)
+        self._signal.set()
 
 
 def leading_hits(

@@ -21,7 +21,17 @@ lookup thread as one store call when the step's metadata is built, and a
 later call takes the answer through the epoch-fenced ``lookup_done``
 event.  A request is held back at most `lookup_timeout_s`, and at most
 `max_pending` requests at once; past either bound it is admitted as a
-miss (0 external tokens) and computes locally.
+miss (0 external tokens) and computes locally.  An answer already known
+is given at once: vLLM's local hit covers every block a load could fill,
+or a block up to the first loadable one missed moments ago
+(`connector.scheduler.recent`).
+
+Each request's lookup is a tracker of its own table
+(`connector.scheduler.admission.LOOKUPS`: asked, in flight, answered,
+refreshing, dropped), in a second registry: the lookup's state, its
+answer and its epoch live there, nowhere else; the lookup thread's
+messages (`connector.scheduler.lookup.PendingLookup`) only carry the
+question and the answer.
 
 No vLLM import: vLLM objects are read by attribute (duck typing), so the
 half is usable, and testable, without vLLM.
@@ -32,13 +42,20 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Final
-
-import attrs
 
 from connector.groups import KVGroups
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
+from connector.scheduler.admission import (
+    LOOKUPS,
+    Ask,
+    LookupEvent,
+    LookupState,
+    LookupTracker,
+)
 from connector.scheduler.failed_keys import FailedKeys
 from connector.scheduler.jobs import BlockPool, JobTable, failed_hashes
 from connector.scheduler.lookup import (
@@ -49,8 +66,16 @@ from connector.scheduler.lookup import (
     PendingLookup,
     batching,
 )
-from lifecycle import LifecycleMachine, Registry, define_tracker
-from lifecycle.kv import TABLE, Event, KVMachine, KVTracker, State
+from connector.scheduler.recent import RecentBlocks
+from connector.scheduler.requests import (
+    REQUESTS,
+    Allocated,
+    Asked,
+    RequestTracker,
+    set_tables,
+)
+from lifecycle import LifecycleMachine, Registry
+from lifecycle.kv import Event, KVMachine, State
 
 log: Final = logging.getLogger(__name__)
 
@@ -60,6 +85,11 @@ _ABORT_STATUSES: Final = frozenset({"FINISHED_ABORTED", "FINISHED_ERROR"})
 _LOAD_STATES: Final = frozenset({State.LOADING, State.DRAINING})
 # Where a request waits to be admitted (and is looked up).
 _WAITING_STATES: Final = frozenset({State.NEW, State.RESET})
+# Lookups asked and not answered; lookups with an answer to give.
+_BUSY: Final = frozenset(
+    {LookupState.ASKED, LookupState.IN_FLIGHT, LookupState.REFRESHING}
+)
+_ANSWERED: Final = frozenset({LookupState.ANSWERED, LookupState.REFRESHING})
 #: Defaults of the admission-lookup bounds (see `SchedulerSide`).
 LOOKUP_TIMEOUT_S: Final = 0.05
 MAX_PENDING_LOOKUPS: Final = 4096
@@ -83,37 +113,6 @@ class Role(enum.Enum):
     def saves(self) -> bool:
         """Whether this role writes KV to the store."""
         return self is not Role.CONSUMER
-
-
-@define_tracker
-class RequestTracker(KVTracker):
-    """A request's tracker plus what the scheduler half needs.
-
-    Attributes:
-        num_prompt_tokens: Prompt length; saves stop at the last full
-            prompt block (decode KV is not saved).
-        num_local_tokens: vLLM's local prefix-cache hit at the lookup.
-        block_hashes: vLLM's live list of the request's chained block
-            hashes (grows as tokens are added).
-        token_ids: vLLM's live list of the request's tokens.
-        lookup_key: (epoch, blocks asked) of the cached lookup result, so
-            repeated lookups while vLLM waits for space cost nothing.
-        lookup_at: When the cached result's lookup was started (the
-            lookup clock); a short result is refreshed after
-            `LOOKUP_REFRESH_S`.
-        load_job: The open load job, or -1.
-        load_failures: Failed loads; after one, the request recomputes
-            instead of trusting the store again.
-    """
-
-    num_prompt_tokens: int = 0
-    num_local_tokens: int = 0
-    block_hashes: list[bytes] = attrs.field(factory=list)
-    token_ids: Any = ()
-    lookup_key: tuple[int, int] = (-1, -1)
-    lookup_at: float = 0.0
-    load_job: int = -1
-    load_failures: int = 0
 
 
 def _status_name(request: Any) -> str:
@@ -140,6 +139,10 @@ class SchedulerSide:
             lookups stop short of them until the master forgets them.
         groups: The model's KV cache groups (default: one full-attention
             group of `block_size`).
+        clock: Monotonic seconds for the lookups' deadlines and refreshes
+            and the memory of recent misses (tests pass a fake).
+        recent: Memory of recent misses and own saves (default: a fresh
+            `RecentBlocks` on `clock`).
     """
 
     def __init__(
@@ -155,6 +158,8 @@ class SchedulerSide:
         threaded_lookups: bool = True,
         failed_keys: FailedKeys | None = None,
         groups: KVGroups | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        recent: RecentBlocks | None = None,
     ) -> None:
         if block_size <= 0:
             msg = f"block_size must be positive, got {block_size}"
@@ -163,7 +168,15 @@ class SchedulerSide:
         self.role = role
         self.world_size = world_size
         self.groups = groups or KVGroups.single(block_size)
-        self.machine: KVMachine = machine or LifecycleMachine(TABLE)
+        self.machine: KVMachine = machine or LifecycleMachine(REQUESTS)
+        lookup_row = self.machine.table.get(State.NEW, Event.LOOKUP)
+        if lookup_row is None or not lookup_row.after:
+            msg = (
+                "the scheduler half's machine must run "
+                "connector.scheduler.requests.REQUESTS (the KV table with "
+                "the half's callbacks)"
+            )
+            raise ValueError(msg)
         self.registry = Registry(self.machine, RequestTracker)
         self._lookup = lookup
         side = weakref.ref(self)
@@ -179,26 +192,65 @@ class SchedulerSide:
             answering,
             timeout_s=lookup_timeout_s,
             threaded=threaded_lookups,
+            clock=clock,
+            on_send=self._sent,
         )
         # A scheduler half dropped without `close()` stops its thread.
         weakref.finalize(self, self.lookups.close, 0.0)
         self.max_pending = max_pending
-        self._pending: dict[str, PendingLookup] = {}
-        # Waiting requests whose answer is short (a miss or a partial
-        # hit), oldest lookup first: refreshed in the background.
-        self._short: dict[str, RequestTracker] = {}
+        #: Each waiting request's admission lookup (`LOOKUPS`).
+        self.lookup_machine: LifecycleMachine[
+            LookupState, LookupEvent, LookupTracker, Any
+        ] = LifecycleMachine(
+            LOOKUPS, strict=self.machine.strict, thread_safe=False
+        )
+        self.lookup_registry = Registry(self.lookup_machine, LookupTracker)
+        self._busy = 0  # lookups asked and not yet answered or dropped
+        # Answered requests whose answer is short, oldest first: the
+        # order refreshes are due in.  Each entry is checked against its
+        # tracker's state when it comes up.
+        self._refresh_queue: dict[str, LookupTracker] = {}
         self.lookup_counts: collections.Counter[str] = collections.Counter()
         self.failed_keys = failed_keys or FailedKeys()
+        self.recent = recent or RecentBlocks(clock=clock)
+        # A hybrid model's hit is not downward-closed per block (a
+        # sliding window may serve a longer prefix than a shorter one),
+        # so its first miss says nothing of other prefixes.
+        self._remember_misses = not self.groups.hybrid
         self._open = self.jobs = JobTable(world_size)
         self._step = 0
         self._loads_to_issue: list[RequestTracker] = []
         self.unexpected_reports = 0
+        #: The weights generation of the jobs issued now (None: the
+        #: configured one, before any `reset_generation`).
+        self.generation: str | None = None
 
     # -- wiring -------------------------------------------------------------
 
     def bind_block_pool(self, pool: BlockPool) -> None:
         """Let saves pin their blocks (vLLM >= 0.22)."""
         self._open.pool = pool
+
+    def reset_generation(self, generation: str, lookup: HitLookup) -> None:
+        """Move to a new weights generation: KV stored before never hits.
+
+        Later lookups ask `lookup` (the new generation's keys) and later
+        jobs are keyed under `generation` (`ConnectorMeta.generation`).
+        Lookups in flight and cached answers are dropped, so a waiting
+        request is looked up again; a request past admission saves no
+        more blocks, since its KV may come from the old weights.  Jobs
+        already issued keep the generation they were issued under.
+        """
+        self._lookup = lookup
+        self.generation = generation
+        for lookup_tracker in list(self.lookup_registry):
+            self._end_lookup(lookup_tracker.req_id, "reset")
+        self.recent.clear()  # misses and saves of the old generation's keys
+        for tracker in self.registry:
+            if tracker.state not in _WAITING_STATES:
+                tracker.num_saved_tokens = max(
+                    tracker.num_saved_tokens, tracker.num_prompt_tokens
+                )
 
     # -- hooks ----------------------------------------------------------------
 
@@ -220,13 +272,9 @@ class SchedulerSide:
         Never calls the store.
         """
         tracker = self.registry.get_or_create(request.request_id)
-        if not self.registry.fire_on(tracker, Event.LOOKUP):
+        asked = Asked(request, num_computed_tokens)
+        if not self.registry.fire_on(tracker, Event.LOOKUP, data=asked):
             return 0, False
-        tracker.block_hashes = request.block_hashes
-        tracker.token_ids = getattr(request, "all_token_ids", ())
-        tracker.num_prompt_tokens = request.num_prompt_tokens
-        tracker.num_tokens = request.num_tokens
-        tracker.num_local_tokens = num_computed_tokens
         hit = self._hit_tokens(tracker, request.num_tokens)
         if hit is None:
             return None, False
@@ -241,18 +289,14 @@ class SchedulerSide:
         if tracker is None:
             self.machine.unknown(request.request_id, Event.ALLOC_LOCAL)
             return
-        self._short.pop(tracker.req_id, None)
-        refresh = self._pending.get(tracker.req_id)
-        if refresh is not None and refresh.refresh:  # admitted on the cache
-            self._drop_lookup(refresh, "superseded")
+        self._admitted(tracker.req_id)
         if num_external_tokens <= 0:
-            if self.registry.fire_on(tracker, Event.ALLOC_LOCAL):
-                self._mark_stored_prefix(tracker)
+            self.registry.fire_on(tracker, Event.ALLOC_LOCAL)
             return
-        if self.registry.fire_on(tracker, Event.ALLOC_EXTERNAL):
-            self._set_tables(tracker, blocks.get_block_ids())
-            tracker.num_external_tokens = num_external_tokens
-            self._mark_stored_prefix(tracker)
+        allocated = Allocated(blocks.get_block_ids(), num_external_tokens)
+        if self.registry.fire_on(
+            tracker, Event.ALLOC_EXTERNAL, data=allocated
+        ):
             self._loads_to_issue.append(tracker)
 
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
@@ -263,7 +307,7 @@ class SchedulerSide:
         preempted = self._preempt(so.preempted_req_ids or ())
         if self.lookups.completed:
             self._take_lookups()
-        self._refresh_short()
+        self._refresh_due()
         self.lookups.dispatch()
         jobs.extend(
             self._issue_load(t)
@@ -289,6 +333,7 @@ class SchedulerSide:
             jobs=tuple(jobs),
             preempted=tuple(preempted),
             finished=frozenset(so.finished_req_ids),
+            generation=self.generation,
         )
 
     def _cached_reqs(
@@ -341,6 +386,7 @@ class SchedulerSide:
         """
         del block_ids  # empty after preemption; saves pinned their own
         abort = _status_name(request) in _ABORT_STATUSES
+        self._end_lookup(request.request_id, "ended")
         self.registry.fire(
             request.request_id, Event.ABORT if abort else Event.FINISH
         )
@@ -409,8 +455,26 @@ class SchedulerSide:
 
     @property
     def pending_lookups(self) -> int:
-        """Requests held back for a lookup right now."""
-        return len(self._pending)
+        """Lookups asked and not yet answered (refreshes included)."""
+        return self._busy
+
+    # -- the admission lookup's lifecycle ----------------------------------
+
+    def _fire_lookup(
+        self,
+        lookup: LookupTracker,
+        event: LookupEvent,
+        *,
+        data: Any = None,
+        epoch: int | None = None,
+    ) -> bool:
+        """Fire `event` on `lookup`; keep the count of busy lookups."""
+        was = lookup.state in _BUSY
+        fired = self.lookup_registry.fire_on(
+            lookup, event, data=data, epoch=epoch
+        )
+        self._busy += (lookup.state in _BUSY) - was
+        return fired
 
     def _hit_tokens(
         self, tracker: RequestTracker, num_tokens: int
@@ -420,74 +484,187 @@ class SchedulerSide:
             return 0
         bs = self.block_size
         asked = min(len(tracker.block_hashes), max(num_tokens - 1, 0) // bs)
+        local = tracker.num_local_tokens // bs
         key = (tracker.epoch, asked)
-        if tracker.lookup_key != key:
-            pending = self._pending.get(tracker.req_id)
-            if pending is not None:
-                self._take_answer(tracker, key, pending)
-        if tracker.lookup_key == key:
-            self._refresh(tracker, asked)
-            return tracker.num_hit_tokens
-        if tracker.req_id in self._pending:
-            return None  # still in flight, deadline not reached
-        if asked == 0:
-            return self._answer(tracker, key, 0)
-        if len(self._pending) >= self.max_pending:
+        lookup = self.lookup_registry.get(tracker.req_id)
+        if lookup is not None and lookup.request is not tracker:
+            self._end_lookup(tracker.req_id, "ended")  # a reused id
+            lookup = None
+        if local >= asked:
+            return self._local_hit(tracker, lookup, key)
+        if lookup is not None and lookup.key == key:
+            if lookup.state not in _ANSWERED:
+                found = self._await(lookup)
+                if lookup.state is LookupState.DROPPED:  # refused: a miss
+                    return 0
+                if lookup.state not in _ANSWERED:
+                    return found  # None while asked or in flight
+            self._refresh(lookup)
+            return lookup.hit_tokens
+        return self._ask(tracker, lookup, key, local)
+
+    def _new_lookup(self, tracker: RequestTracker) -> LookupTracker:
+        """A lookup tracker for `tracker`'s request, in the initial ASKED."""
+        lookup = self.lookup_registry.get_or_create(tracker.req_id)
+        lookup.request = tracker
+        self._busy += 1
+        return lookup
+
+    def _answer_now(
+        self,
+        tracker: RequestTracker,
+        lookup: LookupTracker | None,
+        key: tuple[int, int],
+        tokens: int,
+    ) -> LookupTracker:
+        """An answer known without asking the store: cache it."""
+        if lookup is None:
+            lookup = self._new_lookup(tracker)
+        self._fire_lookup(
+            lookup, LookupEvent.ASK, data=Ask(key, self.lookups.clock())
+        )
+        self._fire_lookup(lookup, LookupEvent.ANSWER, data=tokens)
+        return lookup
+
+    def _local_hit(
+        self,
+        tracker: RequestTracker,
+        lookup: LookupTracker | None,
+        key: tuple[int, int],
+    ) -> int:
+        """vLLM's local hit covers every block a load could fill: 0 now.
+
+        No lookup could add a token, so none is asked (one asked while
+        the local hit was shorter is superseded); the answer is cached
+        like a looked-up miss.  Blocks this instance saved recently are
+        marked saved, so the request does not save them again.
+        """
+        self.lookup_counts["local"] += 1
+        if lookup is not None and lookup.key == key:
+            if lookup.state in _ANSWERED:
+                return 0
+            self.lookup_counts["superseded"] += 1
+        asked = key[1]
+        saved = self.recent.saved_prefix(tracker.block_hashes[:asked])
+        tracker.num_saved_tokens = max(
+            tracker.num_saved_tokens, saved * self.block_size
+        )
+        self._answer_now(tracker, lookup, key, 0)
+        return 0
+
+    def _ask(
+        self,
+        tracker: RequestTracker,
+        lookup: LookupTracker | None,
+        key: tuple[int, int],
+        local: int,
+    ) -> int | None:
+        """Ask the store for `key`, or answer a miss already known."""
+        if lookup is not None and lookup.state in _BUSY:
+            self.lookup_counts["superseded"] += 1
+        if self.recent.cuts(tracker.block_hashes[: local + 1]):
+            # A block up to the first loadable one missed moments ago:
+            # answer the miss now (refreshed in the background while the
+            # request waits).
+            self.lookup_counts["known_miss"] += 1
+            known = self._answer_now(tracker, lookup, key, 0)
+            self._refresh_queue[tracker.req_id] = known
+            return 0
+        busy = lookup is not None and lookup.state in _BUSY
+        if self._busy - busy >= self.max_pending:
             self.lookup_counts["over_limit"] += 1
-            return self._answer(tracker, key, 0)
-        self._start_lookup(tracker, asked)
+            self._answer_now(tracker, lookup, key, 0)
+            return 0
+        if lookup is None:
+            lookup = self._new_lookup(tracker)
+        self._fire_lookup(
+            lookup, LookupEvent.ASK, data=Ask(key, self.lookups.clock())
+        )
+        self.lookups.start(
+            tracker.req_id,
+            lookup,
+            lookup.epoch,
+            tracker.block_hashes[: key[1]],
+        )
         self.lookup_counts["started"] += 1
         return None
 
-    def _start_lookup(
-        self, tracker: RequestTracker, asked: int, *, refresh: bool = False
-    ) -> None:
-        tracker.lookup_at = self.lookups.clock()
-        pending = self.lookups.start(
-            tracker.req_id,
-            tracker,
-            tracker.epoch,
-            tracker.block_hashes[:asked],
-        )
-        pending.refresh = refresh
-        self._pending[tracker.req_id] = pending
+    def _sent(self, batch: list[PendingLookup]) -> None:
+        """The lookup thread took `batch`: its lookups are in flight."""
+        for pending in batch:
+            lookup = pending.tracker
+            if lookup is not None and lookup.epoch == pending.epoch:
+                self._fire_lookup(lookup, LookupEvent.SEND, data=pending)
 
-    def _refresh_short(self) -> None:
+    def _await(self, lookup: LookupTracker) -> int | None:
+        """The answer to the lookup asked for the current key.
+
+        0 past its deadline (a miss), None while it is in flight.
+        """
+        pending = lookup.pending
+        if pending is None:  # asked this step, not sent yet
+            deadline = lookup.at + self.lookups.timeout_s
+        elif self.lookups.handoff(pending):
+            self._take(pending)
+            return lookup.hit_tokens if lookup.state in _ANSWERED else None
+        else:
+            deadline = pending.deadline
+        if self.lookups.clock() < deadline:
+            return None
+        self.lookup_counts["timed_out"] += 1
+        self._fire_lookup(lookup, LookupEvent.TIME_OUT)
+        return lookup.hit_tokens
+
+    def _refresh_due(self) -> None:
         """Refresh the oldest short answers of waiting requests.
 
         Runs once per step, before the step's lookups are sent; stops at
         the first answer younger than `LOOKUP_REFRESH_S`, so it costs the
         refreshes it starts plus one.
         """
-        short = self._short
-        if not short:
+        due = self._refresh_queue
+        if not due:
             return
         now = self.lookups.clock()
         started = 0
-        for req_id, tracker in list(short.items()):
-            if (
-                self.registry.get(req_id) is not tracker
-                or tracker.state not in _WAITING_STATES
-                or tracker.lookup_key[0] != tracker.epoch
-            ):
-                del short[req_id]
+        for req_id, lookup in list(due.items()):
+            if not self._short(lookup):
+                del due[req_id]
                 continue
-            if now - tracker.lookup_at < LOOKUP_REFRESH_S:
+            if now - lookup.at < LOOKUP_REFRESH_S:
                 break
-            if (
-                started >= REFRESH_PER_STEP
-                or len(self._pending) >= self.max_pending
-            ):
+            if started >= REFRESH_PER_STEP or self._busy >= self.max_pending:
                 break
-            del short[req_id]
-            if req_id not in self._pending:
-                self._start_lookup(
-                    tracker, tracker.lookup_key[1], refresh=True
-                )
-                self.lookup_counts["refreshed"] += 1
+            del due[req_id]
+            if lookup.state is LookupState.ANSWERED:
+                self._start_refresh(lookup, now)
                 started += 1
 
-    def _refresh(self, tracker: RequestTracker, asked: int) -> None:
+    def _short(self, lookup: LookupTracker) -> bool:
+        """Whether `lookup` holds a short answer its request still waits on."""
+        request: RequestTracker = lookup.request
+        return (
+            self.lookup_registry.get(lookup.req_id) is lookup
+            and lookup.state in _ANSWERED
+            and lookup.hit_tokens < lookup.key[1] * self.block_size
+            and request.state in _WAITING_STATES
+            and lookup.key[0] == request.epoch
+        )
+
+    def _start_refresh(self, lookup: LookupTracker, now: float) -> None:
+        self._fire_lookup(
+            lookup, LookupEvent.REFRESH, data=Ask(lookup.key, now)
+        )
+        request: RequestTracker = lookup.request
+        self.lookups.start(
+            lookup.req_id,
+            lookup,
+            lookup.epoch,
+            request.block_hashes[: lookup.key[1]],
+        )
+        self.lookup_counts["refreshed"] += 1
+
+    def _refresh(self, lookup: LookupTracker) -> None:
         """Keep a waiting request's short cached answer fresh.
 
         The cached answer stays in force (the request is not held back);
@@ -495,104 +672,106 @@ class SchedulerSide:
         `LOOKUP_REFRESH_S` is started in the background.  Full hits are
         never refreshed.
         """
-        pending = self._pending.get(tracker.req_id)
-        if pending is not None:
-            if pending.done:
-                self._settle_lookup(pending)
+        if lookup.state is LookupState.REFRESHING:
+            pending = lookup.pending
+            if pending is not None and pending.done:
+                self._take(pending)
             return
+        now = self.lookups.clock()
         if (
-            tracker.num_hit_tokens < asked * self.block_size
-            and self.lookups.clock() - tracker.lookup_at >= LOOKUP_REFRESH_S
-            and len(self._pending) < self.max_pending
+            lookup.hit_tokens < lookup.key[1] * self.block_size
+            and now - lookup.at >= LOOKUP_REFRESH_S
+            and self._busy < self.max_pending
         ):
-            self._start_lookup(tracker, asked, refresh=True)
-            self.lookup_counts["refreshed"] += 1
+            self._start_refresh(lookup, now)
 
-    def _take_answer(
-        self,
-        tracker: RequestTracker,
-        key: tuple[int, int],
-        pending: PendingLookup,
-    ) -> None:
-        """Settle, keep waiting for, or give up on `pending` for `key`.
+    def _admitted(self, req_id: str) -> None:
+        """vLLM admitted the request: its lookup needs no refresh.
 
-        Leaves `tracker.lookup_key == key` when `key` is answered (the
-        lookup's answer, or 0 past its deadline); leaves `pending` in
-        flight only while it is the lookup of `key` and not overdue.
+        An unanswered lookup is dropped (its late answer is stale); an
+        answer stays, for vLLM to ask again.
         """
-        mine = (pending.epoch, pending.asked) == key
-        if pending.tracker is tracker and mine:
-            if self.lookups.handoff(pending):
-                if not self._settle_lookup(pending):
-                    return  # deferred: looked up again by the caller
-            elif self.lookups.clock() >= pending.deadline:
-                self._drop_lookup(pending, "timed_out")
-            else:
-                return
-            if tracker.lookup_key != key:
-                self._answer(tracker, key, 0)
-        elif pending.done:  # e.g. started before a preemption: stale
-            self._settle_lookup(pending)
-        else:
-            self._drop_lookup(pending, "superseded")
+        self._refresh_queue.pop(req_id, None)
+        lookup = self.lookup_registry.get(req_id)
+        if lookup is None:
+            return
+        if lookup.state in _BUSY:
+            self.lookup_counts["superseded"] += 1
+        self._fire_lookup(lookup, LookupEvent.ADMIT)
 
-    @staticmethod
-    def _answer(
-        tracker: RequestTracker, key: tuple[int, int], tokens: int
-    ) -> int:
-        tracker.num_hit_tokens = tokens
-        tracker.lookup_key = key
-        return tokens
+    def _end_lookup(self, req_id: str, why: str) -> None:
+        """The request ended (or its id was reused): drop its lookup.
+
+        An answer still in flight is then stale (counted by the lookup
+        machine when it comes back), never applied.
+        """
+        self._refresh_queue.pop(req_id, None)
+        lookup = self.lookup_registry.get(req_id)
+        if lookup is None:
+            return
+        if lookup.state in _BUSY:
+            self.lookup_counts[why] += 1
+        self._fire_lookup(lookup, LookupEvent.DROP)
 
     def _take_lookups(self) -> None:
-        """Settle every lookup the thread finished (scheduler thread)."""
+        """Take every answer the thread finished (scheduler thread)."""
         for pending in self.lookups.take_completed():
-            if not pending.taken:
-                self._settle_lookup(pending)
+            self._take(pending)
 
-    def _drop_lookup(self, pending: PendingLookup, why: str) -> None:
-        """Stop waiting for `pending`; its answer will be discarded."""
-        pending.abandoned = pending.taken = True
-        if self._pending.get(pending.req_id) is pending:
-            del self._pending[pending.req_id]
-        self.lookup_counts[why] += 1
+    def _take(self, pending: PendingLookup) -> None:
+        """Apply a finished lookup's answer to its tracker, if current.
 
-    def _settle_lookup(self, pending: PendingLookup) -> bool:
-        """Fire `lookup_done` for a finished lookup; cache its answer.
-
-        A lookup whose request ended (finish, abort; its id maybe reused
-        by a new request) is counted and dropped; one from an older epoch
-        (preemption) is counted stale by the machine.  Returns False when
-        the answer is deferred (a block of the hit is being loaded for
-        another request: `connector.scheduler.failed_keys`); the request is
-        then looked up again, and nothing is cached.
+        A stale answer (its lookup superseded or dropped) is a counted
+        no-op of the lookup machine.  A current one fires the request's
+        ``lookup_done`` (fenced by the request's epoch: a preemption
+        since makes it stale there) and answers the lookup, unless the
+        failed-load memory defers it (a block of the hit is being loaded
+        for another request: `connector.scheduler.failed_keys`); the
+        request is then asked for again.
         """
-        pending.taken = True
-        if self._pending.get(pending.req_id) is pending:
-            del self._pending[pending.req_id]
-        tracker: RequestTracker = pending.tracker
-        if self.registry.get(pending.req_id) is not tracker:
-            self.lookup_counts["ended"] += 1
-            return True
+        if (
+            self._remember_misses
+            and not pending.expired
+            and pending.found < pending.asked
+        ):
+            self.recent.missed(pending.hashes[pending.found])
+        lookup: LookupTracker = pending.tracker
+        if lookup.epoch != pending.epoch:
+            self._fire_lookup(lookup, LookupEvent.ANSWER, epoch=pending.epoch)
+            return
+        if lookup.pending is not pending:
+            return  # taken already
+        request: RequestTracker = lookup.request
         if pending.expired:
             self.lookup_counts["timed_out"] += 1
         if not self.registry.fire_on(
-            tracker, Event.LOOKUP_DONE, epoch=pending.epoch
+            request, Event.LOOKUP_DONE, epoch=lookup.key[0]
         ):
             self.lookup_counts["refused"] += 1
-            return True
+            self._fire_lookup(lookup, LookupEvent.DROP)
+            return
         found = self.found_blocks(pending)
         if found is None:
             self.lookup_counts["deferred"] += 1
-            return False
-        self._answer(
-            tracker, (pending.epoch, pending.asked), found * self.block_size
+            self._fire_lookup(
+                lookup,
+                LookupEvent.ASK,
+                data=Ask(lookup.key, self.lookups.clock()),
+            )
+            self.lookups.start(
+                lookup.req_id, lookup, lookup.epoch, pending.hashes
+            )
+            return
+        self._fire_lookup(
+            lookup,
+            LookupEvent.ANSWER,
+            data=found * self.block_size,
+            epoch=pending.epoch,
         )
         self.lookup_counts["answered"] += 1
-        self._short.pop(tracker.req_id, None)
+        self._refresh_queue.pop(lookup.req_id, None)
         if found < pending.asked:  # re-inserted last: oldest first
-            self._short[tracker.req_id] = tracker
-        return True
+            self._refresh_queue[lookup.req_id] = lookup
 
     def found_blocks(self, pending: PendingLookup) -> int | None:
         """Leading blocks of a finished lookup the request may load.
@@ -606,11 +785,6 @@ class SchedulerSide:
             return 0
         return self.failed_keys.clip(pending.hashes, pending.found)
 
-    def _mark_stored_prefix(self, tracker: RequestTracker) -> None:
-        tracker.num_saved_tokens = max(
-            tracker.num_saved_tokens, tracker.num_hit_tokens
-        )
-
     def _preempt(self, req_ids: Any) -> list[tuple[str, int]]:
         preempted = []
         for req_id in sorted(req_ids):
@@ -620,14 +794,12 @@ class SchedulerSide:
                 continue
             if self.registry.fire_on(tracker, Event.PREEMPT):
                 self.registry.fire_on(tracker, Event.RESET)
-                tracker.load_job = -1
                 preempted.append((req_id, tracker.epoch))
         return preempted
 
     def _set_tables(self, tracker: RequestTracker, tables: Any) -> None:
         """Replace the tracker's block tables (one per KV cache group)."""
-        tracker.block_ids = list(tables[0]) if tables else []
-        tracker.group_block_ids = [list(t) for t in tables[1:]]
+        set_tables(tracker, tables)
 
     def _new_job(
         self, kind: JobKind, tracker: RequestTracker, first: int, last: int
@@ -675,25 +847,27 @@ class SchedulerSide:
         first = tracker.num_saved_tokens // bs
         if last <= first or last > len(tracker.block_ids):
             return
-        if not self.registry.fire_on(tracker, Event.SAVE_ISSUED):
+        if not self.registry.fire_on(
+            tracker, Event.SAVE_ISSUED, data=last * bs
+        ):
             return
-        jobs.append(self._new_job(JobKind.SAVE, tracker, first, last))
-        tracker.num_saved_tokens = last * bs
+        job = self._new_job(JobKind.SAVE, tracker, first, last)
+        self.recent.saving(job.block_hashes)
+        jobs.append(job)
 
     def _finish_job(self, settled: tuple[TransferJob, bool]) -> bool:
         """Fire the job's completion; True if it settles a receive."""
         job, ok = settled
+        if ok:
+            self.recent.saved(job.block_hashes)
         tracker = self.registry.get(job.req_id)
         if tracker is not None and tracker.epoch == job.epoch:
             tracker.pending_jobs.discard(job.job_id)
         if job.kind is JobKind.SAVE:
             event = Event.SAVE_DONE if ok else Event.SAVE_FAILED
-            self.registry.fire(job.req_id, event, epoch=job.epoch, known=False)
+            self.registry.fire_if_tracked(job.req_id, event, epoch=job.epoch)
             return False
         event = Event.LOAD_DONE if ok else Event.LOAD_FAILED
-        if tracker is not None and tracker.load_job == job.job_id:
-            tracker.load_job = -1
-            tracker.load_failures += not ok
-        return self.registry.fire(
-            job.req_id, event, epoch=job.epoch, known=False
+        return self.registry.fire_if_tracked(
+            job.req_id, event, epoch=job.epoch, data=job.job_id
         )

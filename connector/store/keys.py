@@ -2,7 +2,8 @@
 
 A key is::
 
-    kvl1@<namespace>@<model>@tp<shard>of<shards>@pp<rank>of<size>
+    kvl2@<namespace>@<model>@r<revision>@w<weights generation>
+        @tp<shard>of<shards>@pp<rank>of<size>
         @g<kv group>@<layout fingerprint>@<b|i><block hash hex>
 
 Rules:
@@ -10,11 +11,23 @@ Rules:
 - No request id: two requests (or two vLLM instances) with the same prefix
   and the same parallel layout produce the same keys, so a put of an
   already-stored prefix is deduplicated by one ``batch_is_exist``.
-- Every free-text component (namespace, model, layout detail) is
-  percent-encoded so it never contains the ``@`` separator (nor ``%`` or
-  ``/`` unescaped). The encoding is injective and the number of fields is
-  fixed, hence a model named ``"a@b"`` cannot produce a key of another
-  model or namespace: different inputs always give different keys.
+- Every free-text component (namespace, model, revision, weights
+  generation, layout detail) is percent-encoded so it never contains the
+  ``@`` separator (nor ``%`` or ``/`` unescaped). The encoding is
+  injective and the number of fields is fixed, hence a model named
+  ``"a@b"`` cannot produce a key of another model or namespace: different
+  inputs always give different keys.
+- The model, revision and generation are bounded: an escaped component
+  longer than `MAX_COMPONENT` characters is replaced by its first 32
+  characters, ``~`` and 32 hex digits of its SHA-256 (65 characters,
+  longer than any component kept as is, so the two forms never meet).
+  A key stays short whatever path or name the model was given.
+- The model is the full name or path as configured, never its last
+  component, so ``org-a/llama`` and ``org-b/llama`` (or ``/models/v1/llama``
+  and ``/models/v2/llama``) stay apart; the revision, when set, too.
+- The weights generation separates KV computed with different weights
+  of the same model (a weight update of an RL trainer): KV of an older
+  generation never matches a key of a newer one.
 - The TP component is the *KV shard*: ranks holding identical KV bytes
   (``kv_replicas`` of them, e.g. GQA with more ranks than KV heads, or MLA
   where every rank holds everything) share keys, exactly like vLLM's
@@ -23,12 +36,11 @@ Rules:
 - The layout fingerprint (dtype, tokens per block, bytes per block and a
   free-form detail such as the number of layers) keeps incompatible block
   layouts apart, so a load never reads bytes of a different shape.
-- The full model name is used (vLLM keeps only its last path component),
-  so ``org-a/llama`` and ``org-b/llama`` stay apart.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import TYPE_CHECKING, Final
 from urllib.parse import quote
@@ -40,10 +52,20 @@ from connector.errors import KeySchemeError
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-__all__ = ["KEY_VERSION", "SEPARATOR", "BlockHash", "KeyLayout", "KeyScheme"]
+__all__ = [
+    "KEY_VERSION",
+    "MAX_COMPONENT",
+    "SEPARATOR",
+    "BlockHash",
+    "KeyLayout",
+    "KeyScheme",
+]
 
-KEY_VERSION: Final = "kvl1"
+KEY_VERSION: Final = "kvl2"
 SEPARATOR: Final = "@"
+MAX_COMPONENT: Final = 64
+"""Longest escaped model, revision or generation kept as is in a key."""
+_HASHED_HEAD: Final = 32
 
 BlockHash = bytes | int
 """vLLM's chained prefix block hash: ``bytes`` (0.2x+) or an ``int``."""
@@ -57,6 +79,19 @@ def escape(component: str) -> str:
     Injective; the result never contains the ``@`` separator or ``/``.
     """
     return quote(component, safe="")
+
+
+def bounded(component: str) -> str:
+    """`escape` `component`, hashed when longer than `MAX_COMPONENT`.
+
+    Injective up to SHA-256 collisions: a hashed form is longer than
+    every component kept as is.
+    """
+    escaped = escape(component)
+    if len(escaped) <= MAX_COMPONENT:
+        return escaped
+    digest = hashlib.sha256(escaped.encode()).hexdigest()[:32]
+    return f"{escaped[:_HASHED_HEAD]}~{digest}"
 
 
 def _non_negative(name: str, value: int) -> None:
@@ -121,7 +156,7 @@ class KeyScheme:
 
     Attributes:
         namespace: cache prefix; ``""`` is a namespace of its own.
-        model: model name (full path or id).
+        model: model name or path, as configured (never shortened).
         tp_rank: this worker's tensor-parallel rank.
         tp_size: tensor-parallel world size.
         layout: block layout fingerprint.
@@ -130,6 +165,9 @@ class KeyScheme:
         kv_group: vLLM KV-cache group id.
         kv_replicas: how many consecutive TP ranks hold identical KV
             (1 = every rank distinct; ``tp_size`` for MLA); they share keys.
+        revision: the model revision (``""``: none configured).
+        generation: the weights generation (``""``: the configured
+            weights, before any cache reset).
 
     Raises:
         KeySchemeError: on construction, naming the bad component.
@@ -146,6 +184,8 @@ class KeyScheme:
     pp_size: int = attrs.field(default=1, validator=_check_pos)
     kv_group: int = attrs.field(default=0, validator=_check_int)
     kv_replicas: int = attrs.field(default=1, validator=_check_pos)
+    revision: str = attrs.field(default="", validator=_check_text)
+    generation: str = attrs.field(default="", validator=_check_text)
     _prefix: str = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
@@ -170,7 +210,9 @@ class KeyScheme:
             (
                 KEY_VERSION,
                 escape(self.namespace),
-                escape(self.model),
+                bounded(self.model),
+                f"r{bounded(self.revision)}",
+                f"w{bounded(self.generation)}",
                 f"tp{shard}of{shards}",
                 f"pp{self.pp_rank}of{self.pp_size}",
                 f"g{self.kv_group}",

@@ -33,6 +33,14 @@ Besides the trackers, the only state is per job (the queues and the
 completion outbox) or per step (the last metadata step applied), never
 per request.
 
+Thread rule: the model runner's thread (the hooks) and the two transfer
+threads (completions) all fire events, so the registry and its trackers
+are read and changed only while holding the side's lock (`WorkerSide`
+keeps it in `_lock`); the queues and the completion outbox are
+thread-safe on their own.  The threads are started through an injectable
+`Spawn` (default `daemon_thread`), so a test or an embedding can run them
+its own way.
+
 Transfers run on two background threads (loads, saves) through a
 `connector.worker.transfer.Transfer`: zero copy for host KV caches, pinned
 staging with CUDA events for device ones.  Blocks are copied whole, every
@@ -48,12 +56,11 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 
-from connector.groups import Lane, move_blocks
 from connector.metadata import (
     ConnectorMeta,
     JobKind,
@@ -61,6 +68,7 @@ from connector.metadata import (
     TransferJob,
     WorkerReport,
 )
+from connector.worker.lanes import Lane, move_blocks
 from connector.worker.transfer import (
     BatchOutcome,
     BlockStore,
@@ -81,11 +89,14 @@ if TYPE_CHECKING:
 __all__ = [
     "BatchOutcome",
     "BlockStore",
+    "Joinable",
     "KVLayout",
     "KeyMaker",
     "Segment",
+    "Spawn",
     "Verdict",
     "WorkerSide",
+    "daemon_thread",
 ]
 
 log: Final = logging.getLogger(__name__)
@@ -101,6 +112,28 @@ class KeyMaker(Protocol):
 
     def keys(self, block_hashes: Sequence[bytes]) -> list[str]:
         """One key per hash."""
+
+
+class Joinable(Protocol):
+    """What `Spawn` returns: a running job loop that can be waited for."""
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the loop to return, at most `timeout` seconds."""
+
+    def is_alive(self) -> bool:
+        """Whether the loop is still running."""
+
+
+#: Starts `target` (a job loop, which returns once its queue says stop)
+#: under the name given; returns a handle to wait for it.
+Spawn = Callable[[str, Callable[[], None]], Joinable]
+
+
+def daemon_thread(name: str, target: Callable[[], None]) -> Joinable:
+    """The default `Spawn`: a started daemon thread."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 class Verdict(enum.Enum):
@@ -145,6 +178,8 @@ class WorkerSide:
         machine: The worker's lifecycle machine (strict in tests).
         lanes: Per KV cache group, how its blocks move (hybrid models;
             default: one group, `keys` over `transfer`).
+        spawn: Starts the load and save loops (default: a daemon thread
+            each).
     """
 
     def __init__(
@@ -157,6 +192,7 @@ class WorkerSide:
         transfer: Transfer | None = None,
         machine: KVMachine | None = None,
         lanes: Sequence[Lane] = (),
+        spawn: Spawn = daemon_thread,
     ) -> None:
         self._store = store
         self._keys = keys
@@ -169,22 +205,29 @@ class WorkerSide:
         self.moved: Counter[tuple[str, int, str]] = Counter()
         self._moved_lock = threading.Lock()
         self.machine: KVMachine = machine or LifecycleMachine(TABLE)
-        self.registry = Registry(self.machine, KVTracker)
+        # Epochs come from the scheduler's jobs (`_catch_up`): a reused id
+        # restarts at 0 here and catches up to the scheduler's epoch.
+        self.registry = Registry(
+            self.machine, KVTracker, continue_epochs=False
+        )
+        # Held whenever the registry or a tracker is read or changed.
+        self._lock = threading.RLock()
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
         self._queues: dict[
-            JobKind, queue.SimpleQueue[tuple[TransferJob, CopyWaits] | None]
+            JobKind,
+            queue.SimpleQueue[
+                tuple[TransferJob, CopyWaits, tuple[Lane, ...]] | None
+            ],
         ] = {k: queue.SimpleQueue() for k in JobKind}
+        # The lanes of the latest weights generation a step named.
+        self._generation: tuple[str | None, tuple[Lane, ...]] = (
+            None,
+            self.lanes,
+        )
         self._threads = [
-            threading.Thread(
-                target=self._serve,
-                args=(kind,),
-                name=f"kv-lifecycle-{kind.value}",
-                daemon=True,
-            )
+            spawn(f"kv-lifecycle-{kind.value}", self._loop(kind))
             for kind in JobKind
         ]
-        for thread in self._threads:
-            thread.start()
         self._load_errors: set[int] = set()
         #: Requests whose reported load had a failed block (hybrid models
         #: report these, not block ids: `take_failed_loads`).
@@ -210,6 +253,7 @@ class WorkerSide:
         register: Register,
         staging_blocks: int | None = None,
         machine: KVMachine | None = None,
+        spawn: Spawn = daemon_thread,
     ) -> WorkerSide:
         """A worker over vLLM's KV tensors, their memory registered once.
 
@@ -235,6 +279,7 @@ class WorkerSide:
             regions,
             transfer=transfer,
             machine=machine,
+            spawn=spawn,
         )
 
     @property
@@ -276,10 +321,11 @@ class WorkerSide:
         for job in meta.jobs:
             if job.kind is not JobKind.SAVE or not self._accept(job):
                 continue
+            lanes = self._lanes_for(meta)
             if job.pinned:
-                self._queues[JobKind.SAVE].put((job, fence))
+                self._queues[JobKind.SAVE].put((job, fence, lanes))
             else:
-                self._run(job, fence)
+                self._run(job, fence, lanes)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """Drain ended jobs: (done sending, done receiving).
@@ -343,7 +389,8 @@ class WorkerSide:
     @property
     def open_jobs(self) -> int:
         """Jobs accepted by a live tracker and not yet completed."""
-        return sum(len(t.pending_jobs) for t in self.registry)
+        with self._lock:
+            return sum(len(t.pending_jobs) for t in self.registry)
 
     def shutdown(self, timeout: float = 10.0) -> bool:
         """Cancel queued jobs, let running ones end; bounded by `timeout`.
@@ -385,17 +432,39 @@ class WorkerSide:
         if meta is None or self._closed or meta.step <= self._meta_step:
             return
         self._meta_step = meta.step
-        for req_id, epoch in meta.preempted:
-            tracker = self.registry.get(req_id)
-            if tracker is not None:
-                self._catch_up(tracker, epoch)
-        for req_id in sorted(meta.finished):
-            self.registry.fire(req_id, Event.FINISH, known=False)
-        for job in meta.jobs:
-            if job.kind is JobKind.LOAD and self._accept(job):
-                if job.finished:  # its finish notice came before the job
-                    self.registry.fire(job.req_id, Event.FINISH)
-                self._queues[JobKind.LOAD].put((job, ()))
+        with self._lock:
+            for req_id, epoch in meta.preempted:
+                tracker = self.registry.get(req_id)
+                if tracker is not None:
+                    self._catch_up(tracker, epoch)
+            for req_id in sorted(meta.finished):
+                self.registry.fire_if_tracked(req_id, Event.FINISH)
+            for job in meta.jobs:
+                if job.kind is JobKind.LOAD and self._accept(job):
+                    if job.finished:  # its finish notice preceded the job
+                        self.registry.fire(job.req_id, Event.FINISH)
+                    self._queues[JobKind.LOAD].put(
+                        (job, (), self._lanes_for(meta))
+                    )
+
+    def _lanes_for(self, meta: ConnectorMeta) -> tuple[Lane, ...]:
+        """The lanes keying `meta`'s jobs under its weights generation.
+
+        A job is keyed under the generation of the step that issued it,
+        even when it runs after a later step moved on.
+        """
+        generation = meta.generation
+        if generation is None:
+            return self.lanes
+        if self._generation[0] != generation:
+            lanes = tuple(
+                attrs.evolve(
+                    lane, keys=attrs.evolve(lane.keys, generation=generation)
+                )
+                for lane in self.lanes
+            )
+            self._generation = (generation, lanes)
+        return self._generation[1]
 
     def _catch_up(self, tracker: KVTracker, epoch: int) -> None:
         """Replay preemptions the worker learns of late, through the table."""
@@ -409,18 +478,20 @@ class WorkerSide:
 
     def _accept(self, job: TransferJob) -> bool:
         """Fire the job's issue event; a refused job ends at once."""
-        tracker = self.registry.get_or_create(job.req_id)
-        self._catch_up(tracker, job.epoch)
-        fire = self.registry.fire_on
-        if job.kind is JobKind.LOAD:
-            accepted = fire(tracker, Event.ALLOC_EXTERNAL, epoch=job.epoch)
-        else:
-            self._run_in_epoch(tracker)
-            accepted = fire(tracker, Event.SAVE_ISSUED, epoch=job.epoch)
-        if accepted:
-            tracker.pending_jobs.add(job.job_id)
-            return True
-        self._post(job, _refusal(tracker, job))
+        with self._lock:
+            tracker = self.registry.get_or_create(job.req_id)
+            self._catch_up(tracker, job.epoch)
+            fire = self.registry.fire_on
+            if job.kind is JobKind.LOAD:
+                accepted = fire(tracker, Event.ALLOC_EXTERNAL, epoch=job.epoch)
+            else:
+                self._run_in_epoch(tracker)
+                accepted = fire(tracker, Event.SAVE_ISSUED, epoch=job.epoch)
+            if accepted:
+                tracker.pending_jobs.add(job.job_id)
+                return True
+            verdict = _refusal(tracker, job)
+        self._post(job, verdict)
         return False
 
     def _run_in_epoch(self, tracker: KVTracker) -> None:
@@ -433,17 +504,16 @@ class WorkerSide:
     def _complete(self, job: TransferJob, *, ok: bool) -> Verdict:
         """Fire the job's completion with its epoch; post the verdict."""
         done_event, failed_event = _DONE[job.kind]
-        tracker = self.registry.get(job.req_id)
-        if tracker is None:
-            verdict = Verdict.ORPHAN
-        elif self.registry.fire_on(
-            tracker, done_event if ok else failed_event, epoch=job.epoch
-        ):
-            tracker.pending_jobs.discard(job.job_id)
-            verdict = Verdict.APPLIED
-        else:
-            verdict = _refusal(tracker, job)
-        return verdict
+        with self._lock:
+            tracker = self.registry.get(job.req_id)
+            if tracker is None:
+                return Verdict.ORPHAN
+            if self.registry.fire_on(
+                tracker, done_event if ok else failed_event, epoch=job.epoch
+            ):
+                tracker.pending_jobs.discard(job.job_id)
+                return Verdict.APPLIED
+            return _refusal(tracker, job)
 
     def _cancel(self, job: TransferJob) -> None:
         self.jobs_cancelled += 1
@@ -479,16 +549,27 @@ class WorkerSide:
             moved, self.moved = dict(self.moved), Counter()
         return moved
 
-    def _serve(self, kind: JobKind) -> None:
+    def _loop(self, kind: JobKind) -> Callable[[], None]:
+        """The job loop of `kind`: runs its queue until told to stop."""
         source = self._queues[kind]
-        while (item := source.get()) is not None:
-            self._run(*item)
 
-    def _run(self, job: TransferJob, fence: CopyWaits) -> None:
+        def serve() -> None:
+            while (item := source.get()) is not None:
+                self._run(*item)
+
+        return serve
+
+    def _run(
+        self,
+        job: TransferJob,
+        fence: CopyWaits,
+        lanes: tuple[Lane, ...] | None = None,
+    ) -> None:
         """Run one job and fire its completion; never raises."""
         failed: frozenset[int] = frozenset()
         try:
-            flags = move_blocks(self.lanes, self._store, job, fence)
+            lanes = self.lanes if lanes is None else lanes
+            flags = move_blocks(lanes, self._store, job, fence)
             self._count_moved(job, flags)
             failed = frozenset(
                 b for b, ok in zip(job.block_ids, flags, strict=True) if not ok

@@ -116,6 +116,7 @@ README_CLASSES: Final = (
     "connector.config:StoreConfig",
     "connector.config:TraceConfig",
     "connector.config:LookupConfig",
+    "connector.config:IdentityConfig",
     "connector.config:EventsConfig",
 )
 

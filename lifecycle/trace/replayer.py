@@ -1,11 +1,13 @@
 """Replay of a lifecycle trace: paths, first illegal ordering, counts.
 
 `replay` feeds a trace written by `TraceWriter` through a fresh,
-non-strict machine of the same table, one session at a time, and rebuilds
-each request's path, its first illegal ordering, and the machine's
-transition, illegal and stale counts, so an incident can be explained
-without the engine.  A trace recorded with another table (another
-fingerprint) is refused (`TableMismatchError`).
+non-strict machine of each traced table, one session at a time, and
+rebuilds each request's path, its first illegal ordering, and the
+machines' transition, illegal, stale and refused counts, so an incident
+can be explained without the engine.  A trace of several tables (a request
+and a block lifecycle) replays across them (``tables=``).  A trace
+recorded with another table of the same name (another fingerprint) is
+refused (`TableMismatchError`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from lifecycle.registry import Registry
 from lifecycle.table import Table, event_name
 from lifecycle.trace.writer import (
     ILLEGAL,
+    REFUSED,
     STALE,
     AnyMachine,
     TableMismatchError,
@@ -45,17 +48,19 @@ class Record:
     Attributes:
         line: 1-based line number in the trace.
         time: When the event was fired (seconds since the epoch).
+        table: The name of the table the event belongs to.
         req_id: The request.
         epoch: The tracker's epoch after the event, None for an
             untracked id.
         state: The state the event arrived in, None for an untracked id.
         event: The event.
-        outcome: The state it led to, or `ILLEGAL` / `STALE`.
+        outcome: The state it led to, or `ILLEGAL` / `STALE` / `REFUSED`.
         job_epoch: A stale completion's epoch.
     """
 
     line: int
     time: float
+    table: str
     req_id: str
     epoch: int | None
     state: Any
@@ -152,21 +157,26 @@ class RequestReplay:
 
 @attrs.define
 class Replay:
-    """A trace replayed through the table.
+    """A trace replayed through its tables.
 
     Attributes:
-        machine: The fresh machine every event was replayed on; its
-            counts are the trace's counts.
+        machine: The fresh machine of the first table every event of
+            that table was replayed on; its counts are the trace's counts.
+        machines: One such machine per table, by table name (``machine``
+            among them).
         requests: Per request, in order of first appearance (ids that
-            recur in later sessions get ``"<session>:<req_id>"``).
+            recur in later sessions get ``"<session>:<req_id>"``; ids of
+            any table but the first are prefixed ``"<table>:"``).
         events: Event lines replayed.
         sessions: Session starts seen.
         dropped: Events a full trace did not record.
         divergences: Where the replay had to resynchronise.
-        malformed: Line numbers that were not valid trace lines.
+        malformed: Line numbers that were not valid trace lines (a table
+            replay was not given is one).
     """
 
     machine: AnyMachine
+    machines: dict[str, AnyMachine] = attrs.Factory(dict)
     requests: dict[str, RequestReplay] = attrs.Factory(dict)
     events: int = 0
     sessions: int = 0
@@ -177,8 +187,10 @@ class Replay:
     def summary(self) -> dict[str, Any]:
         """Everything as JSON-ready data (``python -m lifecycle replay``).
 
-        ``transitions``, ``illegal`` and ``stale`` match `summarize` of
-        the machine that wrote the trace.
+        ``transitions``, ``illegal``, ``stale`` and ``refused`` are the
+        first table's and match `summarize` of the machine that wrote the
+        trace; ``tables`` holds the same four for every table by name.
+        The layout is documented in the API reference.
         """
         return {
             "events": self.events,
@@ -187,6 +199,7 @@ class Replay:
             "divergences": len(self.divergences),
             "malformed_lines": self.malformed,
             **summarize(self.machine),
+            "tables": {n: summarize(m) for n, m in self.machines.items()},
             "requests": {k: r.as_json() for k, r in self.requests.items()},
         }
 
@@ -220,25 +233,36 @@ class Replay:
                 f"{_state_name(r.state)} -{event_name(r.event)}-> "
                 f"{r.outcome}, replay had {d.replayed}"
             )
-        counts = summarize(self.machine)
-        for title in ("transitions", "illegal", "stale"):
-            out.append(f"\n{title}:")
-            width = max((len(k) for k in counts[title]), default=0)
-            rows = sorted(counts[title].items())
-            out.extend(f"  {k:<{width}}  {n}" for k, n in rows)
-            if not rows:
-                out.append("  none")
+        several = len(self.machines) > 1
+        for name, machine in self.machines.items():
+            counts = summarize(machine)
+            for title in ("transitions", "illegal", "stale", "refused"):
+                if title == "refused" and not counts[title]:
+                    continue
+                label = f"{name} {title}" if several else title
+                out.append(f"\n{label}:")
+                width = max((len(k) for k in counts[title]), default=0)
+                rows = sorted(counts[title].items())
+                out.extend(f"  {k:<{width}}  {n}" for k, n in rows)
+                if not rows:
+                    out.append("  none")
         return "\n".join(out) + "\n"
 
 
 def parse(
-    text: str, line: int, table: Table[Any, Any]
+    text: str,
+    line: int,
+    table: Table[Any, Any],
+    tables: dict[str, Table[Any, Any]] | None = None,
 ) -> Record | dict[str, Any]:
-    """One trace line of `table`: a `Record`, or the dict of a ``meta`` line.
+    """One trace line: a `Record`, or the dict of a ``meta`` line.
+
+    The line's ``table`` field picks its table among `tables` (by name);
+    a line without one (an older trace) belongs to `table`.
 
     Raises:
         ValueError: the line is not a trace line.
-        KeyError: it names a state or event `table` does not have.
+        KeyError: it names a table, state or event it cannot be read with.
     """
     data = json.loads(text)
     if not isinstance(data, dict):
@@ -246,6 +270,9 @@ def parse(
         raise ValueError(msg)  # noqa: TRY004 - a format error, not a type
     if "meta" in data:
         return data
+    name = data.get("table", table.name)
+    if name != table.name:
+        table = (tables or {})[name]
     state = data["state"]
     job_epoch = data.get("job_epoch")
     epoch = data["epoch"]
@@ -257,6 +284,7 @@ def parse(
     return Record(
         line=line,
         time=float(data["time"]),
+        table=table.name,
         req_id=req_id,
         epoch=None if epoch is None else int(epoch),
         state=None if state is None else table.state_named(state),
@@ -266,53 +294,42 @@ def parse(
     )
 
 
-class _Replayer:
-    """Feeds records through a fresh registry; one session at a time."""
+class _TableReplayer:
+    """Feeds one table's records through a fresh registry."""
 
-    def __init__(self, table: Table[Any, Any], path: str) -> None:
-        # Callbacks and guards stay out: a trace records each event's
-        # outcome and epoch, not the tracker data callbacks need.
+    def __init__(self, table: Table[Any, Any], prefix: str) -> None:
+        # Callbacks stay out and guards become routes: a trace records
+        # each event's outcome and epoch, not the data callbacks need.
         machine: AnyMachine = LifecycleMachine(
             table.without_callbacks(), logger=_REPLAY_LOG
         )
         self.table = table
-        self.path = path
-        self.result = Replay(machine)
-        initial = table.initial
-
-        def factory(req_id: str) -> Tracker[Any]:
-            return Tracker(req_id, initial)
-
-        self.registry = Registry(self.result.machine, factory)
+        self.machine = machine
+        self.result = Replay(machine)  # the shared one, set by _Replayer
+        self.prefix = prefix
+        self.registry: Registry[Any, Any, Tracker[Any, Any]] = Registry(
+            machine, Tracker
+        )
         self.open: dict[str, RequestReplay] = {}
 
-    def meta(self, data: dict[str, Any]) -> None:
-        found = data.get("fingerprint")
-        if found is not None and found != self.table.fingerprint:
-            raise TableMismatchError(
-                self.path, self.table.fingerprint, str(found)
-            )
-        if data["meta"] == "start":
-            self.result.sessions += 1
-            for req_id in list(self.open):
-                self.registry.discard(req_id)
-            self.open.clear()
-        elif data["meta"] == "dropped":
-            self.result.dropped += int(data.get("dropped", 0))
+    def new_session(self) -> None:
+        for req_id in list(self.open):
+            self.registry.discard(req_id)
+        self.open.clear()
 
     def request(self, req_id: str) -> RequestReplay:
         request = self.open.get(req_id)
         if request is None:
             session = max(self.result.sessions, 1)
-            key = req_id
+            key = self.prefix + req_id
             if key in self.result.requests:
-                key = f"{session}:{req_id}"
+                key = f"{session}:{key}"
             request = RequestReplay(req_id, session)
             self.result.requests[key] = request
             self.open[req_id] = request
         return request
 
-    def record(self, r: Record) -> None:
+    def record(self, r: Record) -> None:  # noqa: C901 - one case per outcome
         self.result.events += 1
         request = self.request(r.req_id)
         request.steps.append(r)
@@ -328,7 +345,18 @@ class _Replayer:
                 stale_epoch = tracker.epoch - 1
             self.registry.fire_on(tracker, r.event, epoch=stale_epoch)
             return
-        applied = self.registry.fire_on(tracker, r.event)
+        if r.outcome == REFUSED:
+            # No state routes there: every route refuses, as the guards did.
+            self.registry.fire_on(tracker, r.event, data=REFUSED)
+            replayed = tracker.state.name
+            if not self.machine.guard_counts.get((r.state, r.event)):
+                self._diverged(r, replayed)
+            return
+        try:
+            route: object = self.table.state_named(r.outcome)
+        except KeyError:
+            route = None
+        applied = self.registry.fire_on(tracker, r.event, data=route)
         if applied:
             # The table's callbacks (not replayed) may start a new epoch.
             tracker.epoch = r.epoch or 0
@@ -342,14 +370,14 @@ class _Replayer:
             if tracker.state in self.table.terminal:
                 self.registry.discard(r.req_id)
 
-    def _tracker(self, r: Record) -> Tracker[Any]:
+    def _tracker(self, r: Record) -> Tracker[Any, Any]:
         """The replayed tracker, resynchronised to the recorded state."""
         tracker = self.registry.get_or_create(r.req_id)
         if tracker.state is not r.state and r.state is not None:
             self._diverged(r, tracker.state.name)
             tracker.state = r.state
         epoch = r.epoch or 0
-        if r.outcome in {ILLEGAL, STALE} and tracker.epoch != epoch:
+        if r.outcome in {ILLEGAL, STALE, REFUSED} and tracker.epoch != epoch:
             self._diverged(r, f"epoch {tracker.epoch}")
             tracker.epoch = epoch
         return tracker
@@ -368,31 +396,79 @@ class _Replayer:
             seen.append(Divergence(r, replayed))
 
 
+class _Replayer:
+    """Routes records to their table's replayer; one session at a time."""
+
+    def __init__(self, tables: list[Table[Any, Any]], path: str) -> None:
+        self.path = path
+        self.tables = {t.name: t for t in tables}
+        first = tables[0]
+        self.first = first
+        self.parts = {
+            t.name: _TableReplayer(t, "" if t is first else f"{t.name}:")
+            for t in tables
+        }
+        self.result = Replay(
+            self.parts[first.name].machine,
+            {name: part.machine for name, part in self.parts.items()},
+        )
+        for part in self.parts.values():
+            part.result = self.result
+
+    def meta(self, data: dict[str, Any]) -> None:
+        name = data.get("table", self.first.name)
+        found = data.get("fingerprint")
+        table = self.tables.get(name)
+        if table is None and data["meta"] == "start":
+            table = self.first  # a single-table trace under another name
+        if (
+            found is not None
+            and table is not None
+            and found != table.fingerprint
+        ):
+            raise TableMismatchError(self.path, table.fingerprint, str(found))
+        if data["meta"] == "start":
+            self.result.sessions += 1
+            for part in self.parts.values():
+                part.new_session()
+        elif data["meta"] == "dropped":
+            self.result.dropped += int(data.get("dropped", 0))
+
+    def record(self, r: Record) -> None:
+        self.parts[r.table].record(r)
+
+
 def replay(
     lines: Iterable[str],
     *,
     table: Table[Any, Any] | None = None,
+    tables: Iterable[Table[Any, Any]] = (),
     path: str = "<lines>",
 ) -> Replay:
-    """Replay trace lines through `table` on a fresh, non-strict machine.
+    """Replay trace lines through fresh, non-strict machines.
 
-    `table` defaults to the KV lifecycle (`lifecycle.kv.TABLE`).
-    Malformed lines (a line cut short by a crash, say, or a state or event
-    the table does not have) are listed in `Replay.malformed` and skipped.
+    `table` (default: the KV lifecycle, `lifecycle.kv.TABLE`) replays the
+    lines that name it or no table; `tables` adds the other tables of a
+    trace shared by several lifecycles.  Malformed lines (a line cut short
+    by a crash, say, or a table, state or event not given) are listed in
+    `Replay.malformed` and skipped.
 
     Raises:
-        TableMismatchError: the trace names another table's fingerprint.
+        TableMismatchError: the trace names a table's name with another
+            fingerprint.
     """
     if table is None:
         from lifecycle.kv import TABLE  # noqa: PLC0415 - the default only
 
         table = TABLE
-    replayer = _Replayer(table, path)
+    every = [table, *(t for t in tables if t.name != table.name)]
+    replayer = _Replayer(every, path)
+    by_name = replayer.tables
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
         try:
-            parsed = parse(text, number, table)
+            parsed = parse(text, number, table, by_name)
         except (ValueError, KeyError, TypeError):
             replayer.result.malformed.append(number)
             continue

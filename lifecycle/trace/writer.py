@@ -1,19 +1,23 @@
 """Lifecycle traces: a bounded JSONL record of every event, and its counts.
 
-A `TraceWriter` attached to a machine writes one JSON object per line for
-every event the machine sees, applied or not::
+A `TraceWriter` attached to one or more machines writes one JSON object
+per line for every event they see, applied or not::
 
-    {"time": 1764680000.12, "req_id": "r1", "epoch": 0,
-     "state": "SAVING", "event": "preempt", "outcome": "PREEMPTED"}
+    {"time": 1764680000.12, "table": "lifecycle", "req_id": "r1",
+     "epoch": 0, "state": "SAVING", "event": "preempt",
+     "outcome": "PREEMPTED"}
 
-``state`` is the state the event arrived in (null for an id the registry
-did not track), ``epoch`` the tracker's epoch after the event (a
+``table`` names the machine's table (several lifecycles can share one
+trace), ``state`` is the state the event arrived in (null for an id the
+registry did not track), ``epoch`` the tracker's epoch after the event (a
 preemption starts a new one), ``outcome`` the state the event led to, or
-``"illegal"`` / ``"stale"`` (stale lines add ``job_epoch``, the
-completion's epoch).
+``"illegal"`` / ``"stale"`` / ``"refused"`` (every guard said no; stale
+lines add ``job_epoch``, the completion's epoch).  A key that is not a
+string is written as its ``str``.
 Lines with a ``"meta"`` key mark a session start (``"start"``, with the
-traced table's ``table`` name and ``fingerprint``) and how many events a
-full trace dropped (``"dropped"``).
+first traced table's ``table`` name and ``fingerprint``), each further
+table attached (``"table"``, with its ``table`` and ``fingerprint``) and
+how many events a full trace dropped (``"dropped"``).
 
 `lifecycle.trace.replayer` reads such a trace back (`replay`,
 `replay_file`); `summarize` gives a live machine's counts in the same
@@ -49,6 +53,7 @@ log: Final = logging.getLogger("lifecycle.trace")
 DEFAULT_MAX_EVENTS: Final = 1_000_000
 ILLEGAL: Final = "illegal"
 STALE: Final = "stale"
+REFUSED: Final = "refused"
 UNKNOWN: Final = "unknown"
 """How an untracked request's state is spelled in counts keys."""
 
@@ -85,13 +90,13 @@ class TraceError(LifecycleError):
 _HASH_SPACE: Final = 1 << 64
 
 
-def _digest(req_id: str, key: bytes | None) -> bytes:
+def _digest(req_id: object, key: bytes | None) -> bytes:
     return hashlib.blake2b(
-        req_id.encode(), digest_size=8, key=key or b""
+        str(req_id).encode(), digest_size=8, key=key or b""
     ).digest()
 
 
-def hash_req_id(req_id: str, key: bytes) -> str:
+def hash_req_id(req_id: object, key: bytes) -> str:
     """How a `TraceWriter` with ``id_key=key`` writes `req_id`."""
     return "h:" + _digest(req_id, key).hex()
 
@@ -121,6 +126,10 @@ class TableMismatchError(TraceError):
 
 class TraceWriter:
     """Writes every event of the machines it is attached to, bounded.
+
+    One writer may trace machines of several tables (a request lifecycle
+    and a block lifecycle, say): each line names its table, and
+    `lifecycle.trace.replay` replays them together (``tables=``).
 
     Thread safe.  Lines are batched and appended whole, with one
     ``write`` per batch on an ``O_APPEND`` file, so processes sharing a
@@ -183,11 +192,9 @@ class TraceWriter:
         self._pending: list[str] = []
         self._lock = threading.Lock()  # the counters and the batch
         self._io_lock = threading.Lock()  # batches reach the file in order
-        self._machines: list[AnyMachine] = []
-        self._table: Table[Any, Any] | None = None
-        # One bound method each, so `remove_observer` finds them again.
-        self._on_transition = self.transition
-        self._on_rejected = self.rejected
+        # (machine, transition observer, reject observer) per attach.
+        self._machines: list[tuple[AnyMachine, Any, Any]] = []
+        self._tables: dict[str, Table[Any, Any]] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._flusher = threading.Thread(
@@ -214,23 +221,78 @@ class TraceWriter:
     def attach(self, machine: AnyMachine) -> None:
         """Trace every event `machine` applies or refuses from now on.
 
+        Machines of several tables may be attached; their lines carry
+        their table's name.
+
         Raises:
-            ValueError: another machine of a different table is attached.
+            ValueError: a machine of another table with the same name is
+                attached (their lines could not be told apart).
         """
         table = machine.table
-        if self._table is None:
-            self._table = table
-            self._start(table)
-        elif table.fingerprint != self._table.fingerprint:
+        known = self._tables.get(table.name)
+        if known is None:
+            first = not self._tables
+            self._tables[table.name] = table
+            if first:
+                self._start(table)
+            else:
+                self._meta(
+                    {
+                        "meta": "table",
+                        "table": table.name,
+                        "fingerprint": table.fingerprint,
+                    }
+                )
+        elif known.fingerprint != table.fingerprint:
             msg = (
-                f"trace {self.name} records table {self._table.name} "
-                f"({self._table.fingerprint}); cannot attach a machine of "
-                f"{table.name} ({table.fingerprint})"
+                f"trace {self.name} records a table {table.name} "
+                f"({known.fingerprint}); cannot attach a machine of another "
+                f"table with that name ({table.fingerprint})"
             )
             raise ValueError(msg)
-        machine.add_observer(self._on_transition)
-        machine.add_reject_observer(self._on_rejected)
-        self._machines.append(machine)
+        on_transition, on_rejected = self._observers_for(table.name)
+        machine.add_observer(on_transition)
+        machine.add_reject_observer(on_rejected)
+        self._machines.append((machine, on_transition, on_rejected))
+
+    def _observers_for(self, table: str) -> tuple[Any, Any]:
+        prefix = f'"table":{_quote(table)},'
+        event = self._event
+
+        def on_transition(
+            tracker: Tracker[Any, Any],
+            source: enum.Enum,
+            ev: enum.Enum,
+            dest: enum.Enum,
+        ) -> None:
+            event(
+                prefix,
+                tracker.req_id,
+                tracker.epoch,
+                source.name,
+                event_name(ev),
+                dest.name,
+            )
+
+        def on_rejected(  # noqa: PLR0917 - the observer protocol
+            req_id: object,
+            epoch: int | None,
+            state: enum.Enum | None,
+            ev: enum.Enum,
+            job_epoch: int | None,
+            outcome: str,
+        ) -> None:
+            event(
+                prefix,
+                req_id,
+                epoch,
+                None if state is None else state.name,
+                event_name(ev),
+                outcome,
+                job_epoch=job_epoch,
+            )
+
+        return on_transition, on_rejected
 
     def _start(self, table: Table[Any, Any] | None) -> None:
         record: dict[str, object] = {
@@ -242,43 +304,10 @@ class TraceWriter:
             record |= {"table": table.name, "fingerprint": table.fingerprint}
         self._meta(record)
 
-    def transition(
+    def _event(  # noqa: PLR0917 - one flat, hot call
         self,
-        tracker: Tracker[Any],
-        source: enum.Enum,
-        event: enum.Enum,
-        dest: enum.Enum,
-    ) -> None:
-        """Observer: `event` moved `tracker` from `source` to `dest`."""
-        self._event(
-            tracker.req_id,
-            tracker.epoch,
-            source.name,
-            event_name(event),
-            dest.name,
-        )
-
-    def rejected(
-        self,
-        req_id: str,
-        epoch: int | None,
-        state: enum.Enum | None,
-        event: enum.Enum,
-        job_epoch: int | None,
-    ) -> None:
-        """Reject observer: `event` was illegal, or stale (`job_epoch`)."""
-        self._event(
-            req_id,
-            epoch,
-            None if state is None else state.name,
-            event_name(event),
-            ILLEGAL if job_epoch is None else STALE,
-            job_epoch=job_epoch,
-        )
-
-    def _event(
-        self,
-        req_id: str,
+        prefix: str,
+        req_id: object,
         epoch: int | None,
         state: str | None,
         event: str,
@@ -292,13 +321,15 @@ class TraceWriter:
                 return  # not sampled
             if self.id_key is not None:
                 req_id = "h:" + digest.hex()
+        if req_id.__class__ is not str:
+            req_id = str(req_id)
         if self.written >= self.max_events:
             self._drop()
             return
         # State names are identifiers: only the id and the event need
         # escaping.  Hand-built: a third of the cost of json.dumps.
         line = (
-            f'{{"time":{self._clock()!r},"req_id":{_quote(req_id)},'
+            f'{{"time":{self._clock()!r},{prefix}"req_id":{_quote(req_id)},'
             f'"epoch":{_json_int(epoch)},'
             f'"state":{"null" if state is None else f"{_Q}{state}{_Q}"},'
             f'"event":{_quote(event)},"outcome":"{outcome}"'
@@ -358,11 +389,11 @@ class TraceWriter:
 
     def close(self) -> None:
         """Detach, record the dropped count, flush and close; idempotent."""
-        for machine in self._machines:
-            machine.remove_observer(self._on_transition)
-            machine.remove_observer(self._on_rejected)
+        for machine, on_transition, on_rejected in self._machines:
+            machine.remove_observer(on_transition)
+            machine.remove_observer(on_rejected)
         self._machines.clear()
-        if self._table is None and not self.closed:
+        if not self._tables and not self.closed:
             self._start(None)  # never attached: still one session
         self._stop.set()
         self._wake.set()
@@ -393,14 +424,19 @@ def pair_key(state: enum.Enum | None, event: enum.Enum) -> str:
 def summarize(machine: AnyMachine) -> dict[str, dict[str, int]]:
     """A machine's non-zero counts, keyed as `Replay.summary` keys them.
 
-    ``transitions`` by row (``"SAVING --preempt--> PREEMPTED"``),
-    ``illegal`` and ``stale`` by `pair_key`.
+    ``transitions`` by row (``"SAVING --preempt--> PREEMPTED"``; guarded
+    alternatives with one destination share a key), ``illegal``,
+    ``stale`` and ``refused`` by `pair_key`.
     """
     illegal, stale = machine.rejected_counts()
+    refused = machine.refused_counts()
+    transitions: dict[str, int] = {}
+    for row, n in zip(machine.table.rows, machine.row_counts(), strict=True):
+        if n:
+            transitions[str(row)] = transitions.get(str(row), 0) + n
     return {
-        "transitions": {
-            str(row): n for row, n in machine.transition_counts().items() if n
-        },
+        "transitions": transitions,
         "illegal": {pair_key(s, e): n for (s, e), n in illegal.items() if n},
         "stale": {pair_key(s, e): n for (s, e), n in stale.items() if n},
+        "refused": {pair_key(s, e): n for (s, e), n in refused.items() if n},
     }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lifecycle import LifecycleMachine, Registry, render
+from lifecycle import LifecycleMachine, Registry, Tracker, render
 from lifecycle.testing import table_tests, tracker_in
 from tests.user_lifecycle import TABLE, JobEvent, JobState, JobTracker
 
@@ -11,7 +11,7 @@ registry = Registry(machine, JobTracker)
 tracker: JobTracker = registry.get_or_create("r")
 attempts: int = tracker.attempts
 applied: bool = registry.fire("r", JobEvent.ALLOC)
-machine.fire(tracker, JobEvent.RECEIVED, epoch=tracker.epoch)
+machine.fire(tracker, JobEvent.RECEIVED, epoch=tracker.epoch, data=64)
 state: JobState = tracker.state
 illegal: int = machine.illegal_counts[(JobState.WAITING, JobEvent.RETRY)]
 typed: LifecycleMachine[JobState, JobEvent, JobTracker] = LifecycleMachine(
@@ -20,3 +20,5 @@ typed: LifecycleMachine[JobState, JobEvent, JobTracker] = LifecycleMachine(
 driven: JobTracker = tracker_in(JobState.RUNNING, typed, JobTracker)
 dot: str = render.to_dot(TABLE)
 TestIt = table_tests(TABLE, JobTracker)
+base = Registry(LifecycleMachine(TABLE), Tracker)  # the base class works
+started: JobState = base.get_or_create("b").state

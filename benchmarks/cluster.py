@@ -35,8 +35,12 @@ metadata server on, loopback only) and instance processes
   prefixes; the master's eviction is on; then each asks its oldest
   prompts again (evicted: the lookup misses and vLLM recomputes).
   Reported: requests, finished, mismatches, puts refused (``-200``),
-  and the hit rate (tokens loaded from the store / tokens of the shared
-  prefixes asked, in the first pass).
+  the hit rate (tokens loaded from the store / tokens of the shared
+  prefixes asked, in the first pass) and the replay's hit rate (blocks of
+  the oldest prompts loaded again / their blocks).
+- ``store_full_ssd`` (``--ssd``): ``store_full`` again on a master with
+  Mooncake's SSD tier (``--enable_offload=true --root_fs_dir=<tmp>``):
+  evicted blocks keep a disk copy, so the replay hits.
 
 Survivors run with vLLM's local prefix cache off, so every request asks
 the store and the connector's failed-load memory
@@ -468,16 +472,27 @@ def hung_peer(
 
 
 def store_full(
-    c: Cluster, nodes: Sequence[Node], *, per_node: int, shared: int
+    c: Cluster,
+    nodes: Sequence[Node],
+    *,
+    per_node: int,
+    shared: int,
+    ssd_root: Path | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Sustained saves far beyond the pool's capacity, eviction on.
 
     16 MiB segments (Mooncake's smallest) of 128 KiB blocks: 128 blocks
     per instance.  Each request brings 2 blocks of a shared prefix and
-    `OWN_BLOCKS` of its own, which it saves.
+    `OWN_BLOCKS` of its own, which it saves.  With `ssd_root` the master
+    runs Mooncake's SSD tier there (a fresh master per call).
     """
-    master = c.master()
-    ns = "full"
+    flags = (
+        ("--enable_offload=true", f"--root_fs_dir={ssd_root}")
+        if ssd_root is not None
+        else ()
+    )
+    master = c.master(extra_flags=flags)
+    ns = "full" if ssd_root is None else "full-ssd"
     block_tokens = 64
     width = 256  # 64 tokens x 256 floats x 4 B x 2 layers = 128 KiB
     conf = extra(master, ns, global_segment_size=SEGMENT_MIB << 20)
@@ -518,12 +533,15 @@ def store_full(
     put_keys = sum(p.get("keys", 0) for p in puts)
     asked = sum(len(x) for x in loads) * 2 * block_tokens
     hits = sum(_hits(r) for r in results)
+    replayed = len(nodes) * REPLAYED * (2 + OWN_BLOCKS)
+    replayed_hit = sum(_hits(r) for r in again) // block_tokens
     result = {
         "requests": requests_in(results) + requests_in(again),
         "requests_finished": finished(results) + finished(again),
         "mismatches": mismatches(results, loads) + mismatches(again, replay),
         "puts_refused": refused,
         "hit_rate": round(hits / asked, 3),
+        "replay_hit_rate": round(replayed_hit / replayed, 3),
     }
     capacity = len(nodes) * (SEGMENT_MIB << 20) // (128 << 10)
     detail = {
@@ -531,9 +549,8 @@ def store_full(
         "put_keys": put_keys,
         "put_keys_over_capacity": round(put_keys / capacity, 2),
         "lookups_missed_shared_prefix_blocks": (asked - hits) // block_tokens,
-        "replayed_oldest_blocks": len(nodes) * REPLAYED * (2 + OWN_BLOCKS),
-        "replayed_oldest_blocks_hit": sum(_hits(r) for r in again)
-        // block_tokens,
+        "replayed_oldest_blocks": replayed,
+        "replayed_oldest_blocks_hit": replayed_hit,
         "loads_failed": _sum(results, "loads_failed"),
         "loads_ok": _sum(results, "loads_ok"),
         "save_failures": [
@@ -595,6 +612,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             per_prefix=args.per_prefix,
             interval_s=args.interval,
         )
+        if args.ssd:
+            with tempfile.TemporaryDirectory(prefix="kv-ssd-") as root:
+                ssd_nodes = c.spawn("S1", "S2", "S3")
+                ssd, ssd_detail = store_full(
+                    c,
+                    ssd_nodes,
+                    per_node=args.full_requests,
+                    shared=4,
+                    ssd_root=Path(root),
+                )
     report: dict[str, Any] = {
         "peer_death": peer_death,
         "hung_peer": hung,
@@ -602,10 +629,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "restart": restart,
         "store_full": full,
     }
+    if args.ssd:
+        report["store_full_ssd"] = ssd
     if args.detail:
         detail["replica2"] = replica_detail
         detail["store_full"] = full_detail
         detail["hung_peer"] = hung_detail
+        if args.ssd:
+            detail["store_full_ssd"] = ssd_detail
         detail["seconds"] = round(time.monotonic() - started, 1)
         report["detail"] = detail
     return report
@@ -637,6 +668,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=40,
         help="requests per instance in store_full",
     )
+    parser.add_argument(
+        "--ssd",
+        action="store_true",
+        help="also run store_full with Mooncake's SSD tier",
+    )
     parser.add_argument("--detail", action="store_true")
     parser.add_argument("--json", action="store_true", help="print JSON")
     return parser.parse_args(argv)
@@ -662,6 +698,10 @@ def main(argv: list[str] | None = None) -> int:
         and full["mismatches"] == 0
         and report["restart"]["hits_both_directions"]
     )
+    ssd = report.get("store_full_ssd")
+    if ssd is not None:
+        ok = ok and ssd["requests_finished"] == ssd["requests"]
+        ok = ok and ssd["mismatches"] == 0
     return 0 if ok else 1
 
 

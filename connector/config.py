@@ -37,23 +37,35 @@ from connector.config_values import (
     check_local_hostname,
     check_log_level,
     check_master_address,
+    check_medium,
     check_metadata_server,
     check_namespace,
     check_protocol,
     check_segment,
+    check_tenant,
+    coerce_bool,
     coerce_int,
     coerce_level,
+    coerce_mode,
     coerce_path,
     coerce_seconds,
     coerce_seconds_or_off,
     coerce_str,
+    coerce_tenant,
     config_key,
+    is_bool,
     key_help,
     of_type,
     parse_size,
     positive,
 )
 from connector.errors import ConfigError
+from connector.vllm_keys import (
+    UNSUPPORTED_KEYS,
+    VLLM_BUILT_IN_KEYS,
+    VLLM_UNIMPLEMENTED_KEYS,
+    name_vllm_keys,
+)
 from lifecycle.trace import DEFAULT_MAX_EVENTS
 
 if TYPE_CHECKING:
@@ -62,8 +74,11 @@ if TYPE_CHECKING:
 __all__ = [
     "CONFIG_PATH_ENV",
     "CONNECTOR_KEYS",
+    "DEFAULT_EVENTS_MEDIUM",
     "DEFAULT_FAILED_LOAD_TTL_S",
+    "VLLM_BUILT_IN_KEYS",
     "VLLM_UNIMPLEMENTED_KEYS",
+    "EventsConfig",
     "GiB",
     "IdentityConfig",
     "KiB",
@@ -81,34 +96,6 @@ log = logging.getLogger(__name__)
 CONFIG_PATH_ENV: Final = "MOONCAKE_CONFIG_PATH"
 
 
-# Keys of vLLM's own MooncakeStoreConnector that this connector does not
-# implement: accepted (one extra config serves both connectors) and named
-# in one warning when a config is read.
-VLLM_UNIMPLEMENTED_KEYS: Final = frozenset(
-    {
-        "load_async",
-        "lookup_async",
-        "lookup_rpc_port",
-        "discard_partial_chunks",
-        "enable_cross_layers_blocks",
-        "enable_lookup",
-        "enable_group_semantics",
-        "custom_mem_pool",
-    }
-)
-# Keys that vLLM's or Mooncake's own loaders understand but this client
-# does not implement: warned about specifically.
-UNSUPPORTED_KEYS: Final = frozenset(
-    {
-        "mode",
-        "enable_offload",
-        "enable_ssd_offload",
-        "ssd_offload_path",
-        "tenant_id",
-        "enable_client_http_server",
-        "client_http_port",
-    }
-)
 # vLLM's extra config names the namespace ``cache_prefix``.
 _ALIASES: Final[dict[str, str]] = {"cache_prefix": "namespace"}
 
@@ -239,6 +226,67 @@ class StoreConfig:
             "Memory replicas per stored block (best effort).", coerce_int
         ),
     )
+    tenant_id: str = attrs.field(
+        default="default",
+        validator=[of_type(str), check_tenant],
+        metadata=key_help(
+            "Mooncake tenant of this client: on a master started with "
+            "``--enable_multi_tenants=true`` tenants never see each other's "
+            "keys, and a tenant over its quota (``--tenant_quota_"
+            "connector_uri``) evicts only its own objects. ``null`` or "
+            '``""`` is ``"default"``.',
+            coerce_tenant,
+        ),
+    )
+    enable_ssd_offload: bool = attrs.field(
+        default=False,
+        validator=is_bool,
+        metadata=key_help(
+            "Mooncake's client-side SSD offload (passed to its set-up, with "
+            "``ssd_offload_path``); keep it off: the SSD tier that serves "
+            "blocks after DRAM eviction is the master's (``--enable_offload"
+            "=true --root_fs_dir=DIR``, no client key), and with this key "
+            "on the 0.3.13.post1 wheel refused puts instead of evicting "
+            "(see the operators' page on cache tiers).",
+            coerce_bool,
+        ),
+    )
+    ssd_offload_path: str = attrs.field(
+        default="",
+        validator=of_type(str),
+        metadata=key_help(
+            'Directory of the client-side offload (``""``: Mooncake\'s '
+            "``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``).",
+            coerce_str,
+        ),
+    )
+    enable_client_http_server: bool = attrs.field(
+        default=False,
+        validator=is_bool,
+        metadata=key_help(
+            "Start the Mooncake client's own HTTP endpoints (metrics) on "
+            "``client_http_port``.",
+            coerce_bool,
+        ),
+    )
+    client_http_port: int = attrs.field(
+        default=9300,
+        validator=[of_type(int), positive],
+        metadata=key_help(
+            "Port of the Mooncake client's HTTP endpoints.", coerce_int
+        ),
+    )
+    mode: str | None = attrs.field(
+        default=None,
+        validator=of_type(str, type(None)),
+        metadata=key_help(
+            "vLLM's topology check: ``embedded`` (this worker contributes "
+            "``global_segment_size`` > 0) or ``standalone-store`` (it "
+            "contributes 0; a separate ``mooncake_client`` owns the pool); "
+            "``null`` checks nothing.",
+            coerce_mode,
+        ),
+    )
     log_level: str | None = attrs.field(
         default=None,
         validator=[of_type(str, type(None)), check_log_level],
@@ -248,6 +296,17 @@ class StoreConfig:
             coerce_level,
         ),
     )
+
+    def __attrs_post_init__(self) -> None:
+        """Check ``mode`` against ``global_segment_size``, as vLLM does."""
+        segment = self.global_segment_size
+        if (self.mode == "embedded" and segment == 0) or (
+            self.mode == "standalone-store" and segment != 0
+        ):
+            need = "> 0" if self.mode == "embedded" else "== 0"
+            key = "global_segment_size"
+            reason = f"mode {self.mode!r} needs {key} {need}"
+            raise ConfigError(key, segment, reason)
 
     # -- constructors ------------------------------------------------------
 
@@ -547,6 +606,40 @@ class IdentityConfig:
         return _read_keys(cls, extra)
 
 
+DEFAULT_EVENTS_MEDIUM: Final = "MOONCAKE"
+
+
+@attrs.frozen
+class EventsConfig:
+    """The store's KV-cache events (published when vLLM's are on).
+
+    Read from ``kv_connector_extra_config``: one key per field.
+    """
+
+    medium: str = attrs.field(
+        default=DEFAULT_EVENTS_MEDIUM,
+        validator=[of_type(str), check_medium],
+        metadata=key_help(
+            "``medium`` of the store's ``BlockStored`` / ``BlockRemoved`` "
+            "events (published with vLLM's ``--kv-events-config``), so a "
+            "KV-aware router tells the shared store from an instance's GPU "
+            'blocks (``"GPU"``); ``"cpu"`` matches vLLM\'s own '
+            "MooncakeStoreConnector.",
+            coerce_str,
+            key="kv_events_medium",
+        ),
+    )
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, object]) -> EventsConfig:
+        """Read the events key (default when absent).
+
+        Raises:
+            ConfigError: naming the key of a bad value.
+        """
+        return _read_keys(cls, extra)
+
+
 DEFAULT_TRANSFER_TIMEOUT_S: Final = 2.0
 DEFAULT_PEER_PROBE_S: Final = 1.0
 
@@ -736,6 +829,7 @@ CONNECTOR_KEYS: Final = (
         for c in (
             TraceConfig,
             LookupConfig,
+            EventsConfig,
             IdentityConfig,
             LoadConfig,
             ParallelKVConfig,
@@ -744,6 +838,7 @@ CONNECTOR_KEYS: Final = (
     )
     | {"mooncake_config_path"}
     | VLLM_UNIMPLEMENTED_KEYS
+    | VLLM_BUILT_IN_KEYS
 )
 
 
@@ -756,7 +851,7 @@ def _known_values(
     """Pick StoreConfig fields out of ``values``; warn about the rest."""
     fields = attrs.fields_dict(StoreConfig)
     kwargs: dict[str, object] = {}
-    unimplemented: list[str] = []
+    vllm_keys = VLLM_UNIMPLEMENTED_KEYS | VLLM_BUILT_IN_KEYS
     for key, value in values.items():
         if not isinstance(key, str):
             raise ConfigError(str(key), value, "keys must be strings")
@@ -766,8 +861,8 @@ def _known_values(
                 reason = f"conflicts with {name!r}={kwargs[name]!r}"
                 raise ConfigError(key, value, reason)
             kwargs[name] = value
-        elif key in VLLM_UNIMPLEMENTED_KEYS:
-            unimplemented.append(key)
+        elif key in vllm_keys:
+            continue  # named below, in one line per kind
         elif key in ignore:
             log.debug("%s: key %r is not a store setting", source, key)
         elif key in UNSUPPORTED_KEYS:
@@ -778,13 +873,7 @@ def _known_values(
             )
         else:
             log.warning("%s: unknown key %r ignored", source, key)
-    if unimplemented:
-        log.warning(
-            "%s: keys of vLLM's MooncakeStoreConnector that this connector "
-            "does not implement, ignored: %s",
-            source,
-            ", ".join(sorted(unimplemented)),
-        )
+    name_vllm_keys(values, source)
     return kwargs
 
 

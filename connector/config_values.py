@@ -294,6 +294,58 @@ def check_namespace(
         raise ConfigError(field.name, value, "must be printable text")
 
 
+def check_medium(_: object, field: attrs.Attribute[str], value: str) -> None:
+    """Non-empty printable text without spaces, at most 64 characters."""
+    if not value or len(value) > 64 or not value.isprintable():  # noqa: PLR2004
+        reason = "expected 1 to 64 printable characters"
+        raise ConfigError(config_key(field), value, reason)
+    if any(ch.isspace() for ch in value):
+        raise ConfigError(config_key(field), value, "must not contain spaces")
+
+
+def coerce_bool(key: str, value: object) -> bool:
+    """A bool, or the strings ``true``/``false`` (any case)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in {"true", "false"}:
+        return value.strip().lower() == "true"
+    raise ConfigError(key, value, "expected true or false")
+
+
+def coerce_tenant(key: str, value: object) -> str:
+    """A tenant id, stripped; null or ``""`` is ``"default"`` (as vLLM)."""
+    if value is None:
+        return "default"
+    return coerce_str(key, value) or "default"
+
+
+def coerce_mode(key: str, value: object) -> str | None:
+    """``embedded``, ``standalone-store`` (vLLM's topologies) or None."""
+    if value is None:
+        return None
+    mode = coerce_str(key, value)
+    if mode not in {"embedded", "standalone-store"}:
+        reason = "expected 'embedded' or 'standalone-store'"
+        raise ConfigError(key, value, reason)
+    return mode
+
+
+def is_bool(_: object, field: attrs.Attribute[bool], value: object) -> None:
+    """Attrs validator: a real bool."""
+    if not isinstance(value, bool):
+        raise ConfigError(config_key(field), value, "expected true or false")
+
+
+def check_tenant(_: object, field: attrs.Attribute[str], value: str) -> None:
+    """1 to 128 letters, digits, ``-``, ``_`` or ``.``."""
+    allowed = set("-_.")
+    if not 0 < len(value) <= 128 or not all(  # noqa: PLR2004
+        ch.isascii() and (ch.isalnum() or ch in allowed) for ch in value
+    ):
+        reason = "expected 1 to 128 letters, digits, '-', '_' or '.'"
+        raise ConfigError(config_key(field), value, reason)
+
+
 def check_log_level(
     _: object, field: attrs.Attribute[str | None], value: str | None
 ) -> None:

@@ -206,6 +206,8 @@ class ServerSpec:
     shutdown_timeout_s: int = 30
     threads: int = 1
     seed: int = 0
+    extra_args: tuple[str, ...] = ()
+    keep_pythonpath: bool = False
 
     def argv(self) -> list[str]:
         """``python -m vllm.entrypoints.openai.api_server ...``."""
@@ -228,11 +230,20 @@ class ServerSpec:
             # Drain on SIGTERM, so both connector halves shut down.
             f"--shutdown-timeout={self.shutdown_timeout_s}",
             f"--kv-transfer-config={json.dumps(self.kv_transfer_config)}",
+            *self.extra_args,
         ]
 
     def env(self) -> dict[str, str]:
-        """The parent's environment minus PYTHONPATH, plus vLLM's CPU set."""
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        """The parent's environment, plus vLLM's CPU set.
+
+        PYTHONPATH is dropped (only the installed package provides the
+        connector) unless `keep_pythonpath`.
+        """
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k != "PYTHONPATH" or self.keep_pythonpath
+        }
         env.update(
             {
                 "HF_HUB_OFFLINE": "1",

@@ -272,6 +272,9 @@ class Harness:
         check_every_step: run the content and block checks after each step.
         log_stats: let the scheduler build `SchedulerStats` (with the
             connector's `kv_connector_stats`) in its outputs.
+        kv_events_config: vLLM's ``--kv-events-config`` (`KVEventsConfig`
+            fields): the scheduler publishes its KV-cache events, and the
+            connector's, through vLLM's publisher.
         settle_lookups_s: after each `schedule()`, wait at most this long
             for the connector's admission lookups (a connector with a
             `wait_for_lookups(timeout_s)` method), as the forward pass of
@@ -317,6 +320,7 @@ class Harness:
         kv_heads: int | None = None,
         model: str | os.PathLike[str] | None = None,
         revision: str | None = None,
+        kv_events_config: dict[str, Any] | None = None,
     ) -> None:
         _check_tp(tp_size, kv_heads)
         self.tp_size = tp_size
@@ -382,6 +386,7 @@ class Harness:
                 enable_prefix_caching=enable_prefix_caching,
                 model=model,
                 revision=revision,
+                kv_events_config=kv_events_config,
             )
             self.kv_cache_config = self._make_kv_cache_config()
             self.scheduler = self._make_scheduler()
@@ -425,10 +430,12 @@ class Harness:
         enable_prefix_caching: bool,
         model: str | os.PathLike[str] | None,
         revision: str | None,
+        kv_events_config: dict[str, Any] | None,
     ) -> VllmConfig:
         from vllm.config import (  # noqa: PLC0415
             CacheConfig,
             DeviceConfig,
+            KVEventsConfig,
             KVTransferConfig,
             ModelConfig,
             ParallelConfig,
@@ -472,6 +479,9 @@ class Harness:
             scheduler_config=scheduler_config,
             cache_config=cache_config,
             kv_transfer_config=kv_transfer_config,
+            kv_events_config=KVEventsConfig(**kv_events_config)
+            if kv_events_config
+            else None,
             device_config=DeviceConfig("cpu"),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tp_size),
         )

@@ -53,6 +53,12 @@ BAD_VALUES = {
     "close_timeout_ms": 1.5,
     "replica_num": 0,
     "log_level": "LOUD",
+    "tenant_id": "no spaces allowed",
+    "enable_ssd_offload": "sometimes",
+    "ssd_offload_path": 3,
+    "enable_client_http_server": 1,
+    "client_http_port": 0,
+    "mode": "p2p",
     "mooncake_config_path": 12,
     "lifecycle_trace": 5,
     "lifecycle_trace_max_events": 0,
@@ -170,14 +176,14 @@ class TestExtraConfig:
         """An unknown key is logged by name; the connector still works."""
         extra, h = good
         monkeypatch.delenv(CONFIG_PATH_ENV, raising=False)
-        bad = {**extra, "colour": "blue", "enable_offload": True}
+        bad = {**extra, "colour": "blue", "transfer_timeout": 1}
         with caplog.at_level(logging.WARNING, logger="connector.config"):
             connector, elapsed = construct(h, bad)
         connector.shutdown()
         assert elapsed < BOUND_S
         messages = " ".join(r.getMessage() for r in caplog.records)
         assert "'colour'" in messages
-        assert "'enable_offload'" in messages
+        assert "'transfer_timeout'" in messages
 
 
 class TestConfigFile:

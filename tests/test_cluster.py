@@ -128,3 +128,20 @@ def test_hung_peer_costs_one_deadline_not_a_stall(cluster):
     assert result["stalled_run_s"] <= 5
     assert detail["peers"]["fences"] >= 1
     assert detail["illegal"] == detail["open_jobs"] == detail["trackers"] == 0
+
+
+def test_store_full_with_the_ssd_tier_serves_evicted_blocks(cluster, tmp_path):
+    """The same load on a master with Mooncake's SSD tier: the oldest
+    prompts, evicted from DRAM, are served again from disk."""
+    nodes = cluster.spawn("S1", "S2", "S3")
+    result, detail = bench.store_full(
+        cluster, nodes, per_node=16, shared=3, ssd_root=tmp_path
+    )
+    print(result, detail)
+    assert result["requests_finished"] == result["requests"]
+    assert result["mismatches"] == 0
+    assert detail["put_keys_over_capacity"] >= 1.5
+    # Without the tier only the leased shared prefixes (2 of 16 blocks per
+    # prompt) survive: a replay hit rate of about 0.125.
+    assert result["replay_hit_rate"] > 0.5
+    assert any(p.is_file() for p in tmp_path.rglob("*"))

@@ -10,7 +10,9 @@ import pytest
 
 from connector.config import (
     CONNECTOR_KEYS,
+    VLLM_BUILT_IN_KEYS,
     VLLM_UNIMPLEMENTED_KEYS,
+    EventsConfig,
     GiB,
     IdentityConfig,
     KiB,
@@ -165,12 +167,12 @@ class TestFromMapping:
         """Unknown and unsupported keys are logged, the rest still loads."""
         with caplog.at_level(logging.WARNING, logger="connector.config"):
             config = StoreConfig.from_mapping(
-                {**BASE, "colour": "blue", "enable_offload": True}
+                {**BASE, "colour": "blue", "transfer_timeout": 1}
             )
         assert config.master_server_address == "10.0.0.1:50051"
         messages = " ".join(r.getMessage() for r in caplog.records)
         assert "'colour'" in messages
-        assert "'enable_offload'" in messages
+        assert "'transfer_timeout'" in messages
         assert "not supported" in messages
 
     def test_cache_prefix_is_the_namespace(self):
@@ -227,8 +229,8 @@ class TestSources:
         apply; the connector's own keys are silent."""
         extra = {
             **BASE,
-            "load_async": True,
-            "lookup_rpc_port": 0,
+            "enable_lookup": True,
+            "custom_mem_pool": "",
             "lookup_timeout_ms": 20,
             "mooncake_config_path": None,
             "cache_prefix": "team-a",
@@ -239,7 +241,7 @@ class TestSources:
         (record,) = caplog.records
         assert record.levelno == logging.WARNING
         message = record.getMessage()
-        assert message.endswith("ignored: load_async, lookup_rpc_port")
+        assert message.endswith("ignored: custom_mem_pool, enable_lookup")
         assert "lookup_timeout_ms" not in message
         assert config.namespace == "team-a"
         assert GiB == config.global_segment_size
@@ -458,6 +460,7 @@ def test_connector_keys_derive_from_the_fields():
         for cls in (
             TraceConfig,
             LookupConfig,
+            EventsConfig,
             IdentityConfig,
             LoadConfig,
             ParallelKVConfig,
@@ -477,10 +480,14 @@ def test_connector_keys_derive_from_the_fields():
         "enable_store_tp_lcm",
         "prefill_tp_sizes",
         "save_decode_cache",
+        "kv_events_medium",
     }
     assert not own & VLLM_UNIMPLEMENTED_KEYS
     assert (
-        own | {"mooncake_config_path"} | (VLLM_UNIMPLEMENTED_KEYS)
+        own
+        | {"mooncake_config_path"}
+        | VLLM_UNIMPLEMENTED_KEYS
+        | VLLM_BUILT_IN_KEYS
         == CONNECTOR_KEYS
     )
     assert not CONNECTOR_KEYS & set(attrs.fields_dict(StoreConfig))
@@ -488,7 +495,14 @@ def test_connector_keys_derive_from_the_fields():
 
 @pytest.mark.parametrize(
     "cls",
-    [StoreConfig, TraceConfig, LookupConfig, IdentityConfig, LoadConfig],
+    [
+        StoreConfig,
+        TraceConfig,
+        LookupConfig,
+        IdentityConfig,
+        LoadConfig,
+        EventsConfig,
+    ],
 )
 def test_every_field_declares_help_text_and_a_coercion(cls):
     for field in attrs.fields(cls):
@@ -525,3 +539,87 @@ def test_parallel_kv_keys_read_and_checked():
         with pytest.raises(ConfigError) as err:
             ParallelKVConfig.from_extra_config(extra)
         assert err.value.key == key
+
+
+def test_tenant_and_ssd_keys_are_read_and_validated():
+    config = StoreConfig.from_extra_config(
+        {
+            **BASE,
+            "tenant_id": "team-a.prod_1",
+            "enable_ssd_offload": "true",
+            "ssd_offload_path": " /mnt/ssd ",
+        }
+    )
+    assert config.tenant_id == "team-a.prod_1"
+    assert config.enable_ssd_offload is True
+    assert config.ssd_offload_path == "/mnt/ssd"
+    defaults = StoreConfig.from_extra_config(BASE)
+    assert (defaults.tenant_id, defaults.enable_ssd_offload) == (
+        "default",
+        False,
+    )
+    for key, bad in (
+        ("tenant_id", "a b"),
+        ("tenant_id", "x" * 129),
+        ("enable_ssd_offload", 1),
+        ("enable_ssd_offload", "maybe"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            StoreConfig.from_extra_config({**BASE, key: bad})
+        assert info.value.key == key
+
+
+def test_events_medium_is_read_and_validated():
+    assert EventsConfig.from_extra_config({}).medium == "MOONCAKE"
+    assert EventsConfig.from_extra_config({"kv_events_medium": "cpu"}).medium
+    for bad in ("", "two words", 3):
+        with pytest.raises(ConfigError) as info:
+            EventsConfig.from_extra_config({"kv_events_medium": bad})
+        assert info.value.key == "kv_events_medium"
+
+
+def test_mode_is_checked_against_the_segment_as_vllm_does():
+    assert StoreConfig.from_extra_config(BASE).mode is None
+    embedded = StoreConfig.from_extra_config({**BASE, "mode": "embedded"})
+    assert embedded.mode == "embedded"
+    standalone = StoreConfig.from_extra_config(
+        {**BASE, "mode": "standalone-store", "global_segment_size": 0}
+    )
+    assert standalone.global_segment_size == 0
+    for values in (
+        {"mode": "standalone-store"},  # contributes the default 4 GiB
+        {"mode": "embedded", "global_segment_size": 0},
+    ):
+        with pytest.raises(ConfigError) as info:
+            StoreConfig.from_extra_config({**BASE, **values})
+        assert info.value.key == "global_segment_size"
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.from_extra_config({**BASE, "mode": "p2p"})
+    assert info.value.key == "mode"
+
+
+def test_tenant_null_or_empty_is_the_default_tenant_as_in_vllm():
+    for value in (None, "", "  "):
+        config = StoreConfig.from_extra_config({**BASE, "tenant_id": value})
+        assert config.tenant_id == "default"
+
+
+def test_client_http_server_keys_are_read():
+    config = StoreConfig.from_extra_config(
+        {**BASE, "enable_client_http_server": True, "client_http_port": 9400}
+    )
+    assert config.enable_client_http_server is True
+    assert config.client_http_port == 9400
+
+
+def test_built_in_vllm_keys_are_named_at_info_never_warned(caplog):
+    """Keys selecting a behaviour this connector always has: one INFO."""
+    extra = {**BASE, **dict.fromkeys(VLLM_BUILT_IN_KEYS, True)}
+    with caplog.at_level(logging.INFO, logger="connector.config"):
+        StoreConfig.from_extra_config(extra)
+        StoreConfig.from_mapping(extra)  # the MOONCAKE_CONFIG_PATH file
+    assert [r.levelno for r in caplog.records] == [logging.INFO] * 2
+    for record in caplog.records:
+        named = record.getMessage().rpartition("no effect: ")[2].split(", ")
+        assert named == sorted(VLLM_BUILT_IN_KEYS)
+    assert not VLLM_BUILT_IN_KEYS & VLLM_UNIMPLEMENTED_KEYS

@@ -15,6 +15,7 @@ import attrs
 import pytest
 
 from connector.config import (
+    VLLM_BUILT_IN_KEYS,
     VLLM_UNIMPLEMENTED_KEYS,
     IdentityConfig,
     LookupConfig,
@@ -150,11 +151,11 @@ def test_configuration_reference_is_generated_from_the_fields(site) -> None:
         for row, field in zip(table, attrs.fields(cls), strict=True):
             doc = " ".join(_text(field.metadata["doc"]).split())
             assert row[3] == doc.replace("``", "")
-    listed = re.search(r'<p class="config-keys">(.*?)</p>', page, re.DOTALL)
-    assert listed is not None
-    assert re.findall(
-        r"<span class=\"pre\">(\w+)</span>", listed.group(1)
-    ) == (sorted(VLLM_UNIMPLEMENTED_KEYS))
+    listed = re.findall(r'<p class="config-keys">(.*?)</p>', page, re.DOTALL)
+    assert [
+        re.findall(r"<span class=\"pre\">(\w+)</span>", keys)
+        for keys in listed
+    ] == [sorted(VLLM_UNIMPLEMENTED_KEYS), sorted(VLLM_BUILT_IN_KEYS)]
 
 
 def test_tensor_parallel_keys_are_documented(site) -> None:

@@ -73,6 +73,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     import attrs  # noqa: PLC0415
 
     from connector.config import (  # noqa: PLC0415
+        EventsConfig,
         IdentityConfig,
         LoadConfig,
         LookupConfig,
@@ -99,6 +100,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     expected["peer_probe_s"] = loads.peer_probe_s
     for field in attrs.fields(ParallelKVConfig):
         expected[field.name] = field.default
+    expected["kv_events_medium"] = EventsConfig().medium
     assert set(rows) == set(expected)
     for key, (default, meaning) in rows.items():
         assert meaning
@@ -108,7 +110,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
             assert cell == "required", key
         elif cell == "null":
             assert want is None, key
-        elif cell.startswith('"'):
+        elif cell.startswith('"') or cell in {"true", "false"}:
             assert json.loads(cell) == want, key
         elif cell in {"true", "false"}:
             assert json.loads(cell) is want, key

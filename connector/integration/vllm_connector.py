@@ -53,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connector.config import (
+    EventsConfig,
     IdentityConfig,
     LoadConfig,
     LookupConfig,
@@ -61,6 +62,7 @@ from connector.config import (
 )
 from connector.errors import ConfigError
 from connector.groups import KVGroups
+from connector.integration.kv_events import hit_sources, vllm_events
 from connector.integration.layout import (
     Schemes,
     key_layout,
@@ -74,6 +76,7 @@ from connector.integration.stats import (
 )
 from connector.metadata import ConnectorMeta, JobResult, WorkerReport
 from connector.parallel import ParallelKVConfig, TPPlan
+from connector.scheduler.events import StoreEvents
 from connector.scheduler.failed_keys import DEFAULT_TTL_S, FailedKeys
 from connector.scheduler.peers import FencedLookup, PeerFence
 from connector.scheduler.side import Role, SchedulerSide
@@ -87,7 +90,10 @@ from connector.worker.transfer import KVLayout
 from lifecycle.trace import TraceError, TraceWriter
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         PromMetric,
         PromMetricT,
@@ -139,6 +145,23 @@ def _open_trace(
     return writer
 
 
+def _kv_events_on(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV-cache events (``--kv-events-config``)."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
+def _load_config(extra: dict[str, Any]) -> LoadConfig:
+    """The load keys; sets the transport's bounds to match the deadline.
+
+    An operator's own ``MC_TCP_*`` environment values win.
+    """
+    loads = LoadConfig.from_extra_config(extra)
+    for name, value in loads.transport_env().items():
+        os.environ.setdefault(name, value)
+    return loads
+
+
 def _warn_failure_policy(transfer: Any) -> None:
     """WARN when vLLM fails requests whose load failed (policy ``fail``)."""
     policy = getattr(transfer, "kv_load_failure_policy", "recompute")
@@ -181,9 +204,8 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         self._store_config = StoreConfig.from_vllm(extra)
         trace = TraceConfig.from_extra_config(extra)
         lookups = LookupConfig.from_extra_config(extra)
-        self._loads = LoadConfig.from_extra_config(extra)
-        for name, value in self._loads.transport_env().items():
-            os.environ.setdefault(name, value)  # an operator's value wins
+        self._loads = _load_config(extra)
+        self._events_medium = EventsConfig.from_extra_config(extra).medium
         identity = IdentityConfig.from_extra_config(extra)
         self._parallel = ParallelKVConfig.from_extra_config(extra)
         parallel = vllm_config.parallel_config
@@ -259,6 +281,11 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                     groups=self._groups if hybrid else None,
                     save_decode=self._parallel.save_decode_cache,
                 )
+                if _kv_events_on(vllm_config):
+                    self._scheduler.jobs.events = StoreEvents(
+                        self._scheduler.block_size,
+                        [g.block_size for g in self._groups.groups],
+                    )
             self._trace = _open_trace(trace, self._scheduler)
         except BaseException:
             # A construction error must not keep the client referenced.
@@ -351,6 +378,34 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         """Saves still pin blocks: keep the engine stepping."""
         return self.scheduler_side.has_pending_push_work()
 
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        """Every external hit token comes from the store's DRAM pool."""
+        del request
+        return hit_sources(num_external_tokens)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The store's KV-cache events since the last call.
+
+        Only with vLLM's KV events on (``--kv-events-config``); see
+        `connector.integration.kv_events`.
+        """
+        events = self._scheduler.jobs.events if self._scheduler else None
+        if events is None or not len(events):
+            return ()
+        return vllm_events(events.take(), self._events_medium)
+
+    def store_cleared(self) -> None:
+        """The store was wiped (a reset): publish `AllBlocksCleared`.
+
+        Saves still in flight announce nothing.  A no-op on the worker
+        half or with KV events off.
+        """
+        events = self._scheduler.jobs.events if self._scheduler else None
+        if events is not None:
+            events.cleared()
+
     def reset_cache(self) -> bool | None:
         """Move to a new weights generation: KV stored before never hits.
 
@@ -363,7 +418,9 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         Later lookups and jobs use it (the worker half learns it from the
         step's metadata); jobs already issued keep theirs.  Old keys are
         not removed: instances that did not reset still serve them, and
-        the master's eviction reclaims them once unused.
+        the master's eviction reclaims them once unused.  With vLLM's KV
+        events on, routers are told (`store_cleared`: `AllBlocksCleared`):
+        nothing this instance stored before will be loaded again.
 
         Returns:
             True once moved (scheduler role); False after `shutdown`;
@@ -382,6 +439,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 self._groups,
             ),
         )
+        self.store_cleared()
         log.info(
             "kv-lifecycle: cache reset, new weights generation %r; KV "
             "stored before it will not be loaded",

@@ -24,6 +24,7 @@ from connector.metadata import JobKind, TransferJob
 
 if TYPE_CHECKING:
     from connector.groups import KVGroups, StateOffer
+    from connector.scheduler.events import StoreEvents
 
 log: Final = logging.getLogger(__name__)
 
@@ -65,11 +66,16 @@ class JobTable:
 
     Args:
         world_size: Ranks that must report a job before it is settled.
+
+    Attributes:
+        events: Where settled saves and failed loads are announced to
+            KV-aware routers (`connector.scheduler.events`); None: off.
     """
 
     def __init__(self, world_size: int = 1) -> None:
         self.world_size = world_size
         self.pool: BlockPool | None = None
+        self.events: StoreEvents | None = None
         self._open: dict[int, OpenJob] = {}
         self._next = 0
         #: Blocks issued for loading (store hits), by KV cache group.
@@ -102,10 +108,12 @@ class JobTable:
         *,
         pin: bool = False,
         finished: bool = False,
+        token_ids: Sequence[int] = (),
     ) -> TransferJob:
         """Open a job over (group, block id, block index) `pairs`.
 
-        `hashes` are the request's block hashes (indexed by block index).
+        `hashes` are the request's block hashes (indexed by block index),
+        `token_ids` its tokens (for the store events of a save).
         With `pin` and a bound pool, the blocks are referenced until the
         job settles.
         """
@@ -114,7 +122,7 @@ class JobTable:
         indices: tuple[int, ...] = ()
         if pairs:
             groups, block_ids, indices = zip(*pairs, strict=True)
-        return self._open_job(
+        job = self._open_job(
             kind,
             req_id,
             epoch,
@@ -124,6 +132,10 @@ class JobTable:
             pin=pin,
             finished=finished,
         )
+        if self.events is not None and kind is JobKind.SAVE:
+            blocks = zip(groups, indices, strict=True)
+            self.events.save_issued(job.job_id, blocks, hashes, token_ids)
+        return job
 
     def issue_range(
         self,
@@ -139,6 +151,7 @@ class JobTable:
         pin: bool = False,
         finished: bool = False,
         states: Sequence[StateOffer] | None = None,
+        token_ids: Sequence[int] = (),
     ) -> TransferJob:
         """`issue` over blocks ``[first, last)`` of each group's table.
 
@@ -150,11 +163,18 @@ class JobTable:
         if not groups.one_full_group:
             pairs = groups.pairs(tables, first, last, states)
             return self.issue(
-                kind, req_id, epoch, pairs, hashes, pin=pin, finished=finished
+                kind,
+                req_id,
+                epoch,
+                pairs,
+                hashes,
+                pin=pin,
+                finished=finished,
+                token_ids=token_ids,
             )
         block_ids = tables[0]
         last = min(last, len(block_ids), len(hashes))
-        return self._open_job(
+        job = self._open_job(
             kind,
             req_id,
             epoch,
@@ -164,6 +184,10 @@ class JobTable:
             pin=pin,
             finished=finished,
         )
+        if self.events is not None and kind is JobKind.SAVE:
+            blocks = ((0, i) for i in range(first, last))
+            self.events.save_issued(job.job_id, blocks, hashes, token_ids)
+        return job
 
     def _open_job(
         self,
@@ -225,7 +249,13 @@ class JobTable:
         del self._open[job_id]
         if open_job.pinned and self.pool is not None:
             self.pool.free_blocks(open_job.pinned)
-        return open_job.job, open_job.failed == 0
+        ok = open_job.failed == 0
+        if self.events is not None:
+            if open_job.job.kind is JobKind.SAVE:
+                self.events.save_settled(job_id, ok=ok)
+            elif open_job.invalid:
+                self.events.load_failed(open_job.job, open_job.invalid)
+        return open_job.job, ok
 
 
 def save_range(

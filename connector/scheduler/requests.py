@@ -10,7 +10,8 @@ event.
 ==================  =================  ===================================
 Event               Data               Fields written
 ==================  =================  ===================================
-``lookup``          `Asked`            prompt, tokens, hashes, local hit
+``lookup``          `Asked`            prompt, tokens, hashes, token ids,
+                                       local hit
 ``alloc_local``     none               saved prefix (the stored hit)
 ``alloc_external``  `Allocated`        block tables, external tokens,
                                        saved prefix
@@ -44,6 +45,8 @@ class RequestTracker(KVTracker):
         num_local_tokens: vLLM's local prefix-cache hit at the lookup.
         block_hashes: vLLM's live list of the request's chained block
             hashes (grows as tokens are added).
+        token_ids: vLLM's live list of the request's tokens (for the
+            store events of its saves).
         load_job: The open load job, or -1.
         load_failures: Failed loads; after one, the request recomputes
             instead of trusting the store again.
@@ -55,6 +58,7 @@ class RequestTracker(KVTracker):
     num_prompt_tokens: int = 0
     num_local_tokens: int = 0
     block_hashes: list[bytes] = attrs.field(factory=list)
+    token_ids: Sequence[int] = ()
     load_job: int = -1
     load_failures: int = 0
     saves_stopped: bool = False
@@ -86,6 +90,7 @@ def take_request(tracker: RequestTracker, asked: Asked) -> None:
     """vLLM asked for the request: its prompt, tokens and local hit."""
     request = asked.request
     tracker.block_hashes = request.block_hashes
+    tracker.token_ids = getattr(request, "all_token_ids", ())
     tracker.num_prompt_tokens = request.num_prompt_tokens
     tracker.num_tokens = request.num_tokens
     tracker.num_local_tokens = asked.local_tokens

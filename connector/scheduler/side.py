@@ -272,6 +272,7 @@ class SchedulerSide:
         """vLLM accepted a request: track it from NEW, before any lookup."""
         tracker = self.registry.get_or_create(request.request_id)
         tracker.block_hashes = request.block_hashes
+        tracker.token_ids = getattr(request, "all_token_ids", ())
         tracker.num_prompt_tokens = request.num_prompt_tokens
 
     def get_num_new_matched_tokens(
@@ -832,6 +833,7 @@ class SchedulerSide:
             pin=kind is JobKind.SAVE,
             finished=tracker.state is State.DRAINING,
             states=self.state_offers.for_job(kind, tracker, first, last),
+            token_ids=tracker.token_ids,
         )
         tracker.pending_jobs.add(job.job_id)
         return job

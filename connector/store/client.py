@@ -178,6 +178,12 @@ class StoreClient:
             config.protocol,
             config.device_name,
             address,
+            None,
+            config.enable_ssd_offload,
+            config.ssd_offload_path,
+            config.tenant_id,
+            config.enable_client_http_server,
+            config.client_http_port,
         )
         if rc != 0:
             reason = (
@@ -188,13 +194,15 @@ class StoreClient:
             raise StoreUnavailable(address, rc, reason)
         log.info(
             "Mooncake store client %s connected to %s in %.2f s "
-            "(segment %d B, protocol %s, namespace %r)",
+            "(segment %d B, protocol %s, namespace %r, tenant %r%s)",
             store.get_hostname(),
             address,
             time.monotonic() - started,
             config.global_segment_size,
             config.protocol,
             config.namespace,
+            config.tenant_id,
+            ", SSD tier on" if config.enable_ssd_offload else "",
         )
         return cls(
             store,

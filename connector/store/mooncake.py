@@ -39,6 +39,12 @@ class MooncakeStore(Protocol):
         protocol: str,
         rdma_devices: str,
         master_server_addr: str,
+        engine: object = None,
+        enable_ssd_offload: bool = False,  # noqa: FBT002
+        ssd_offload_path: str = "",
+        tenant_id: str = "default",
+        enable_client_http_server: bool = False,  # noqa: FBT002
+        client_http_port: int = 9300,
         /,
     ) -> int: ...
 

@@ -119,6 +119,7 @@ README_CLASSES: Final = (
     "connector.config:IdentityConfig",
     "connector.config:LoadConfig",
     "connector.config:ParallelKVConfig",
+    "connector.config:EventsConfig",
 )
 
 

@@ -152,7 +152,7 @@ def test_replicated_kv_is_written_once(make):
 def test_replicated_lookup_asks_for_each_key_once(make):
     """The lookup's schemes: one per distinct shard, none never written."""
     h = make(tp_size=4, kv_heads=2)
-    schemes = h.scheduler_connector.scheduler_side._lookup.schemes
+    schemes = h.scheduler_connector.scheduler_side._lookup.inner.schemes
     assert [tp_part(s.prefix) for s in schemes] == ["tp0of2", "tp1of2"]
     assert all(isinstance(s, KeyScheme) for s in schemes)
     puts = count_store(h)

@@ -61,7 +61,6 @@ from connector.config_values import (
 )
 from connector.errors import ConfigError
 from connector.vllm_keys import (
-    UNSUPPORTED_KEYS,
     VLLM_BUILT_IN_KEYS,
     VLLM_UNIMPLEMENTED_KEYS,
     name_vllm_keys,
@@ -865,12 +864,6 @@ def _known_values(
             continue  # named below, in one line per kind
         elif key in ignore:
             log.debug("%s: key %r is not a store setting", source, key)
-        elif key in UNSUPPORTED_KEYS:
-            log.warning(
-                "%s: key %r is not supported by this store client; ignored",
-                source,
-                key,
-            )
         else:
             log.warning("%s: unknown key %r ignored", source, key)
     name_vllm_keys(values, source)

@@ -41,9 +41,6 @@ VLLM_UNIMPLEMENTED_KEYS: Final = frozenset(
         "custom_mem_pool",
     }
 )
-# Keys that other loaders (LMCache's) understand but this client does not
-# implement: warned about specifically.
-UNSUPPORTED_KEYS: Final[frozenset[str]] = frozenset()
 
 
 def name_vllm_keys(values: Mapping[str, object], source: str) -> None:

@@ -259,7 +259,13 @@ class JobTable:
 
 
 def save_range(
-    tracker: Any, computed: int, block_size: int, *, prompt: bool, decode: bool
+    tracker: Any,
+    computed: int,
+    block_size: int,
+    *,
+    prompt: bool,
+    decode: bool,
+    stopped: bool = False,
 ) -> tuple[int, int]:
     """Blocks ``[first, last)`` of a request to save now (maybe empty).
 
@@ -267,10 +273,10 @@ def save_range(
     once full and hashed, from the last saved one on.  `prompt`: prompt
     blocks are saved (a producer); `decode`: so are the blocks generated
     tokens fill (``save_decode_cache``; never a token only sampled, whose
-    KV is not computed yet).  Neither, or the tracker's saves were
-    stopped (``saves_stopped``, a cache reset): nothing.
+    KV is not computed yet).  Neither, or `stopped` (a cache reset came
+    after the request's admission): nothing.
     """
-    if not (prompt or decode) or getattr(tracker, "saves_stopped", False):
+    if not (prompt or decode) or stopped:
         return 0, 0
     bs, num_prompt = block_size, tracker.num_prompt_tokens
     limit = computed if decode else min(computed, num_prompt)
@@ -281,9 +287,11 @@ def save_range(
     return first, last
 
 
-def nothing_to_save(tracker: Any, block_size: int, *, decode: bool) -> bool:
-    """Prompt saved and decode blocks not saved, or saves stopped."""
-    if getattr(tracker, "saves_stopped", False):
+def nothing_to_save(
+    tracker: Any, block_size: int, *, decode: bool, stopped: bool = False
+) -> bool:
+    """Prompt saved and decode blocks not saved, or `stopped`."""
+    if stopped:
         return True
     saved = tracker.num_saved_tokens + block_size
     return not decode and saved > tracker.num_prompt_tokens

@@ -11,7 +11,7 @@ event.
 Event               Data               Fields written
 ==================  =================  ===================================
 ``lookup``          `Asked`            prompt, tokens, hashes, token ids,
-                                       local hit
+                                       local hit, weights generation
 ``alloc_local``     none               saved prefix (the stored hit)
 ``alloc_external``  `Allocated`        block tables, external tokens,
                                        saved prefix
@@ -50,9 +50,11 @@ class RequestTracker(KVTracker):
         load_job: The open load job, or -1.
         load_failures: Failed loads; after one, the request recomputes
             instead of trusting the store again.
-        saves_stopped: A cache reset came after the request's admission:
-            its KV may come from the old weights, so none of its blocks
-            (prompt or decode) is saved again.
+        generation: The weights generation the request was last looked
+            up under (`SchedulerSide.generation`).  After a cache reset
+            it differs from the scheduler half's: the request's KV may
+            come from the old weights, so none of its blocks (prompt or
+            decode) is saved again.
     """
 
     num_prompt_tokens: int = 0
@@ -61,15 +63,16 @@ class RequestTracker(KVTracker):
     token_ids: Sequence[int] = ()
     load_job: int = -1
     load_failures: int = 0
-    saves_stopped: bool = False
+    generation: str | None = None
 
 
 @attrs.frozen
 class Asked:
-    """The data of ``lookup``: vLLM's request and its local hit."""
+    """The data of ``lookup``: the request, its local hit, its generation."""
 
     request: Any
     local_tokens: int
+    generation: str | None = None
 
 
 @attrs.frozen
@@ -94,6 +97,7 @@ def take_request(tracker: RequestTracker, asked: Asked) -> None:
     tracker.num_prompt_tokens = request.num_prompt_tokens
     tracker.num_tokens = request.num_tokens
     tracker.num_local_tokens = asked.local_tokens
+    tracker.generation = asked.generation
 
 
 def mark_stored_prefix(tracker: RequestTracker, _data: object = None) -> None:

@@ -259,12 +259,9 @@ class SchedulerSide:
         for lookup_tracker in list(self.lookup_registry):
             self._end_lookup(lookup_tracker.req_id, "reset")
         self.recent.clear()  # misses and saves of the old generation's keys
-        for tracker in self.registry:
-            if tracker.state not in _WAITING_STATES:
-                tracker.num_saved_tokens = max(
-                    tracker.num_saved_tokens, tracker.num_prompt_tokens
-                )
-                tracker.saves_stopped = True  # decode blocks too
+        # Requests past admission keep the generation they were looked up
+        # under, so `_stopped` ends their saves; waiting ones are asked
+        # again (``lookup`` records the new generation).
 
     # -- hooks ----------------------------------------------------------------
 
@@ -286,7 +283,7 @@ class SchedulerSide:
         Never calls the store.
         """
         tracker = self.registry.get_or_create(request.request_id)
-        asked = Asked(request, num_computed_tokens)
+        asked = Asked(request, num_computed_tokens, self.generation)
         if not self.registry.fire_on(tracker, Event.LOOKUP, data=asked):
             return 0, False
         hit = self._hit_tokens(tracker, request.num_tokens)
@@ -361,7 +358,7 @@ class SchedulerSide:
         reads per request whose prompt is saved.
         """
         resumed = cached.resumed_req_ids
-        bs = self.block_size
+        bs, generation = self.block_size, self.generation
         get = self.registry.get
         for req_id, new_ids, computed in zip(
             cached.req_ids,
@@ -376,7 +373,12 @@ class SchedulerSide:
                 # A resume replaces the block table (vLLM #46595).
                 self.registry.fire_on(tracker, Event.RESUME)
                 self._set_tables(tracker, new_ids or ())
-            elif nothing_to_save(tracker, bs, decode=self.save_decode):
+            elif nothing_to_save(
+                tracker,
+                bs,
+                decode=self.save_decode,
+                stopped=tracker.generation != generation,
+            ):
                 # Prompt saved (decode): no save is left to issue, so the
                 # table is not needed until a resume replaces it.
                 continue
@@ -386,7 +388,12 @@ class SchedulerSide:
                     tracker.group_block_ids, new_ids[1:], strict=False
                 ):
                     table.extend(ids)
-            if nothing_to_save(tracker, bs, decode=self.save_decode):
+            if nothing_to_save(
+                tracker,
+                bs,
+                decode=self.save_decode,
+                stopped=tracker.generation != generation,
+            ):
                 continue  # prompt saved: `_maybe_save` would no-op
             done = computed + scheduled.get(req_id, 0)
             self._maybe_save(tracker, done, jobs)
@@ -442,8 +449,16 @@ class SchedulerSide:
         unexpected = recving - settled
         for req_id in sorted(unexpected):
             self.unexpected_reports += 1
+            tracker = self.registry.get(req_id)
             log.warning(
-                "dropping unexpected receive completion for %s", req_id
+                "dropping unexpected receive completion for %s (%s; "
+                "reports this step: %s)",
+                req_id,
+                "untracked"
+                if tracker is None
+                else f"{tracker.state.name}, epoch {tracker.epoch}, "
+                f"load job {tracker.load_job}",
+                [r.job_id for r in results],
             )
         output.finished_recving = settled or None
         output.finished_sending = None
@@ -854,7 +869,12 @@ class SchedulerSide:
             return
         bs, decode = self.block_size, self.save_decode
         first, last = save_range(
-            tracker, computed, bs, prompt=self.role.saves, decode=decode
+            tracker,
+            computed,
+            bs,
+            prompt=self.role.saves,
+            decode=decode,
+            stopped=tracker.generation != self.generation,
         )
         if last <= first or last > len(tracker.block_ids):
             return

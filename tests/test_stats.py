@@ -238,7 +238,11 @@ def test_prometheus_metrics_follow_vllm_names_and_count():
         {0: ["m", "0"], 1: ["m", "1"]},
     )
     assert isinstance(prom, LifecyclePromMetrics)
-    data = payload({"SAVING/preempt": 2}, get_ops=2, latencies=[0.002, 0.2])
+    data = payload(
+        {"SAVING/preempt": 2, "admission-lookup:ASKED/send": 5},
+        get_ops=2,
+        latencies=[0.002, 0.2],
+    )
     data["illegal"] = {"unknown/finish": 1}
     data["worker_stale"] = {"RESET/save_done": 3}
     data["breaker_trips"] = 1
@@ -246,14 +250,20 @@ def test_prometheus_metrics_follow_vllm_names_and_count():
     prom.observe(data, engine_idx=1)
     engine = {"model_name": "m", "engine": "1"}
     value = registry.get_sample_value
-    scheduler = {**engine, "half": "scheduler"}
+    scheduler = {**engine, "half": "scheduler", "table": "lifecycle"}
     pair = {**scheduler, "state": "SAVING", "event": "preempt"}
     assert value(MetricName.TRANSITIONS, pair) == 4
+    # Another table's counts carry its name; the KV table's keys do not.
+    lookup = {**scheduler, "table": "admission-lookup"}
+    asked = {**lookup, "state": "ASKED", "event": "send"}
+    assert value(MetricName.TRANSITIONS, asked) == 10
+    assert value(MetricName.TRANSITIONS, {**pair, **lookup}) is None
     unknown = {**scheduler, "state": "unknown", "event": "finish"}
     assert value(MetricName.ILLEGAL, unknown) == 2
     stale = {
         **engine,
         "half": "worker",
+        "table": "lifecycle",
         "state": "RESET",
         "event": "save_done",
     }

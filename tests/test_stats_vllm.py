@@ -22,7 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from connector.integration.stats import LifecycleConnectorStats, MetricName
+from connector.integration.stats import (
+    LifecycleConnectorStats,
+    MetricName,
+    table_key,
+)
 from harness import Harness
 from lifecycle.kv import Event
 from lifecycle.trace import pair_key
@@ -51,12 +55,15 @@ def capture_outputs(h):
     return payloads
 
 
-def counts_of(machine):
-    return {
-        pair_key(r.source, r.event): n
-        for r, n in machine.transition_counts().items()
-        if n
-    }
+def counts_of(*machines):
+    """Transition counts keyed as the payload keys them (`table_key`)."""
+    counts = {}
+    for machine in machines:
+        for r, n in machine.transition_counts().items():
+            key = table_key(machine.table.name, pair_key(r.source, r.event))
+            if n:
+                counts[key] = counts.get(key, 0) + n
+    return counts
 
 
 def vllm_log_line(h, payloads):
@@ -85,6 +92,32 @@ def vllm_prometheus(h, payloads):
     return registry
 
 
+def check_prometheus(b, payloads):
+    """vLLM's Prometheus hook registers and records the payloads."""
+    registry = vllm_prometheus(b, payloads)
+    engine = {"model_name": "tiny", "engine": "0"}
+    value = registry.get_sample_value
+    seen = LifecycleConnectorStats()
+    for data in payloads:
+        seen.aggregate(LifecycleConnectorStats(data=data))
+    tables = set()
+    for key, n in seen.data["transitions"].items():
+        table, _, pair = key.rpartition(":")
+        state, event = pair.split("/")
+        tables.add(table or "lifecycle")
+        labels = {**engine, "half": "scheduler", "state": state}
+        labels |= {"event": event, "table": table or "lifecycle"}
+        assert value(MetricName.TRANSITIONS, labels) == n
+    # Both of the scheduler half's tables: the KV lifecycle and the
+    # admission lookups.
+    assert tables == {"lifecycle", "admission-lookup"}
+    get = {**engine, "operation": "get"}
+    assert (
+        value(MetricName.STORE_KEYS, get) == seen.data["store"]["get"]["keys"]
+    )
+    assert value(f"{MetricName.STORE_LATENCY}_count", get) == 1
+
+
 def test_stats_flow_through_the_real_scheduler_and_vllm_loggers(
     extra, harnesses, caplog
 ):
@@ -111,7 +144,14 @@ def test_stats_flow_through_the_real_scheduler_and_vllm_loggers(
         leftover = connector.get_kv_connector_stats()
         if leftover is not None:
             total.aggregate(leftover)
-    assert total.data["transitions"] == counts_of(side(b).machine)
+    # The scheduler half's two tables: the KV lifecycle and the lookups.
+    scheduler = side(b)
+    assert total.data["transitions"] == counts_of(
+        scheduler.machine, scheduler.lookup_machine
+    )
+    assert any(
+        k.startswith("admission-lookup:") for k in total.data["transitions"]
+    )
     worker = b.worker_connector.worker_side.machine
     assert total.data["worker_transitions"] == counts_of(worker)
     assert total.data["worker_transitions"]["LOADING/load_done"] == 1
@@ -132,21 +172,5 @@ def test_stats_flow_through_the_real_scheduler_and_vllm_loggers(
     assert "Illegal unknown/finish=1" in line
     assert "Store get ops=1" in line
 
-    # vLLM's Prometheus hook registers and records them.
-    registry = vllm_prometheus(b, payloads)
-    engine = {"model_name": "tiny", "engine": "0"}
-    value = registry.get_sample_value
-    seen = LifecycleConnectorStats()
-    for data in payloads:
-        seen.aggregate(LifecycleConnectorStats(data=data))
-    for pair, n in seen.data["transitions"].items():
-        state, event = pair.split("/")
-        labels = {**engine, "half": "scheduler", "state": state}
-        labels["event"] = event
-        assert value(MetricName.TRANSITIONS, labels) == n
-    get = {**engine, "operation": "get"}
-    assert (
-        value(MetricName.STORE_KEYS, get) == seen.data["store"]["get"]["keys"]
-    )
-    assert value(f"{MetricName.STORE_LATENCY}_count", get) == 1
+    check_prometheus(b, payloads)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -27,6 +27,12 @@ and lists, so it survives pickling and msgpack::
 ``groups`` counts, per KV cache group (`connector.groups`), the blocks the
 scheduler half issued loads for (store hits) and the blocks and bytes the
 worker half loaded and saved.
+
+A half may run several lifecycle tables (the scheduler half also runs the
+admission lookups, `connector.scheduler.admission.LOOKUPS`).  Counts of
+the KV table (`KV_TABLE`) are keyed ``"STATE/event"``; those of any other
+table ``"<table>:STATE/event"`` (``"admission-lookup:ASKED/send"``), and
+Prometheus carries the table's name in a ``table`` label.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from lifecycle.kv import TABLE as _KV
 from lifecycle.trace import pair_key
 
 if TYPE_CHECKING:
@@ -54,6 +61,8 @@ if TYPE_CHECKING:
 
     AnyMachine = LifecycleMachine[Any, Any, Any]
 
+KV_TABLE: Final = _KV.name
+"""The table whose counts are keyed without a table name."""
 KINDS: Final = ("transitions", "illegal", "stale")
 HALF_PREFIXES: Final = {"scheduler": "", "worker": "worker_"}
 """Each half's machine counts under its own prefix: both see one event."""
@@ -248,6 +257,28 @@ def _op_figures(stats: OpCounters) -> dict[str, Any]:
     }
 
 
+def table_key(table: str, key: str) -> str:
+    """``key`` (``"STATE/event"``) as the payload keys it for `table`."""
+    return key if table == KV_TABLE else f"{table}:{key}"
+
+
+def split_table_key(key: str) -> tuple[str, str, str]:
+    """(table, state, event) of a payload key (see `table_key`)."""
+    table, _, pair = key.rpartition(":")
+    state, _, event = pair.partition("/")
+    return table or KV_TABLE, state, event
+
+
+@dataclass
+class _Watched:
+    """A machine a `StatsSource` reports, and what it reported last."""
+
+    machine: AnyMachine
+    rows: tuple[str, ...]
+    seen_rows: Any
+    seen: dict[str, dict[str, int]]
+
+
 def _delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {
         k: n - before.get(k, 0) for k, n in now.items() if n - before.get(k, 0)
@@ -262,7 +293,8 @@ class StatsSource:
     reset, so two halves sharing one client never count a call twice).
 
     Args:
-        machine: The half's lifecycle machine, if any (or `watch` later).
+        machine: The half's lifecycle machine, if any (`watch` adds more,
+            or the worker's, which comes late).
         store: The store client's stats, if any.
         half: ``"scheduler"`` or ``"worker"``: which payload sections the
             machine's counts go to.
@@ -285,28 +317,39 @@ class StatsSource:
         self.groups = groups
         self._store = store
         self._trips = store.breaker_trips if store is not None else 0
-        self._machine: AnyMachine | None = None
+        self._watched: list[_Watched] = []
         if machine is not None:
             self.watch(machine)
 
     def watch(self, machine: AnyMachine) -> None:
-        """Report `machine`'s counts from now on (the worker's comes late)."""
-        self._rows = tuple(
-            pair_key(r.source, r.event) for r in machine.table.rows
-        )
-        self._seen_rows = machine.row_counts()
+        """Report `machine`'s counts from now on, beside those watched.
+
+        Counts of a table other than `KV_TABLE` carry its name (see
+        `table_key`).
+        """
+        name = machine.table.name
+
+        def key(state: Any, event: Any) -> str:
+            return table_key(name, pair_key(state, event))
+
         illegal, stale = machine.rejected_counts()
-        self._seen = {
-            "illegal": {pair_key(s, e): n for (s, e), n in illegal.items()},
-            "stale": {pair_key(s, e): n for (s, e), n in stale.items()},
-        }
-        self._machine = machine
+        self._watched.append(
+            _Watched(
+                machine,
+                tuple(key(r.source, r.event) for r in machine.table.rows),
+                machine.row_counts(),
+                {
+                    "illegal": {key(s, e): n for (s, e), n in illegal.items()},
+                    "stale": {key(s, e): n for (s, e), n in stale.items()},
+                },
+            )
+        )
 
     def take(self) -> LifecycleConnectorStats | None:
         """The figures since the last call, or None if there are none."""
         data = _empty()
-        if self._machine is not None:
-            self._take_lifecycle(self._machine, data)
+        for watched in self._watched:
+            self._take_lifecycle(watched, data)
         if self._store is not None and self._store.recorded:
             snapshot = self._store.snapshot(reset=True)
             data["store"] = {
@@ -321,34 +364,35 @@ class StatsSource:
             data["groups"] = {g: c for g, c in self.groups().items() if c}
         return None if _is_empty(data) else LifecycleConnectorStats(data=data)
 
-    def _take_lifecycle(
-        self, machine: AnyMachine, data: dict[str, Any]
-    ) -> None:
-        prefix = self._prefix
+    def _take_lifecycle(self, watched: _Watched, data: dict[str, Any]) -> None:
+        prefix, machine = self._prefix, watched.machine
+        name = machine.table.name
         rows = machine.row_counts()
-        if rows != self._seen_rows:
-            data[f"{prefix}transitions"] = {
-                key: n - seen
-                for key, n, seen in zip(
-                    self._rows, rows, self._seen_rows, strict=True
-                )
-                if n != seen
-            }
-            self._seen_rows = rows
+        if rows != watched.seen_rows:
+            moved = data[f"{prefix}transitions"]
+            for key, n, seen in zip(
+                watched.rows, rows, watched.seen_rows, strict=True
+            ):
+                if n != seen:  # guarded alternatives share a key: summed
+                    moved[key] = moved.get(key, 0) + n - seen
+            watched.seen_rows = rows
         illegal, stale = machine.rejected_counts()
-        for key, counts in (("illegal", illegal), ("stale", stale)):
+        for kind, counts in (("illegal", illegal), ("stale", stale)):
             if not counts:
                 continue
-            now = {pair_key(s, e): n for (s, e), n in counts.items()}
-            data[f"{prefix}{key}"] = _delta(now, self._seen[key])
-            self._seen[key] = now
+            now = {
+                table_key(name, pair_key(s, e)): n
+                for (s, e), n in counts.items()
+            }
+            _add(data[f"{prefix}{kind}"], _delta(now, watched.seen[kind]))
+            watched.seen[kind] = now
 
 
 class LifecyclePromMetrics(KVConnectorPromMetrics):
     """Registers the connector's Prometheus metrics and records payloads.
 
-    Counters by (half, state, event) for transitions, illegal and stale
-    events;
+    Counters by (half, table, state, event) for transitions, illegal and
+    stale events;
     per store operation: calls, keys, bytes, failed keys by outcome and a
     latency histogram; breaker trips.
     """
@@ -363,7 +407,7 @@ class LifecyclePromMetrics(KVConnectorPromMetrics):
         super().__init__(
             vllm_config, metric_types, labelnames, per_engine_labelvalues
         )
-        pair = [*labelnames, "half", "state", "event"]
+        pair = [*labelnames, "half", "table", "state", "event"]
         op = [*labelnames, "operation"]
         # vLLM types the classes as a union; these are the two we use.
         counter = cast("type[Counter]", self._counter_cls)
@@ -431,9 +475,9 @@ class LifecyclePromMetrics(KVConnectorPromMetrics):
         data = transfer_stats_data
         for half, prefix in HALF_PREFIXES.items():
             for kind, metric in self._by_pair.items():
-                for pair, n in data.get(f"{prefix}{kind}", {}).items():
-                    state, _, event = pair.partition("/")
-                    metric.labels(*engine, half, state, event).inc(n)
+                for key, n in data.get(f"{prefix}{kind}", {}).items():
+                    table, state, event = split_table_key(key)
+                    metric.labels(*engine, half, table, state, event).inc(n)
         for op, figures in data.get("store", {}).items():
             for key, metric in self._by_op.items():
                 if figures.get(key):

@@ -298,6 +298,8 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             half="scheduler" if self._scheduler else "worker",
             groups=self._scheduler_group_stats if self._scheduler else None,
         )
+        if self._scheduler is not None:
+            self._stats.watch(self._scheduler.lookup_machine)
 
     # ------------------------------------------------------- scheduler side
 

@@ -889,7 +889,14 @@ class Harness:
         outputs = []
         for rank in range(self.tp_size):
             self._use_rank(rank)
-            outputs.append(self._execute_rank(scheduler_output, positions))
+            # A copy: a rank with nothing to report returns vLLM's shared
+            # `EMPTY_MODEL_RUNNER_OUTPUT`, and the aggregator writes the
+            # folded output (its expected rank count included) into the
+            # object of rank 0.  Across processes, as in vLLM, each rank's
+            # output is a fresh object; here the shared one would carry
+            # one harness's count and completions into the next.
+            output = self._execute_rank(scheduler_output, positions)
+            outputs.append(copy.copy(output))
         self._use_rank(0)
         with self._vllm_call("KVOutputAggregator"):
             out = self._aggregator.aggregate(list(outputs))

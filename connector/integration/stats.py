@@ -52,7 +52,7 @@ from lifecycle.kv import TABLE as _KV
 from lifecycle.trace import pair_key
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     from prometheus_client import Counter, Histogram
 
@@ -293,8 +293,10 @@ class StatsSource:
     reset, so two halves sharing one client never count a call twice).
 
     Args:
-        machine: The half's lifecycle machine, if any (`watch` adds more,
-            or the worker's, which comes late).
+        machine: The half's lifecycle machine, if any (`watch` adds one
+            later, as the worker's, which comes late).
+        also: More machines the half runs, reported beside it (the
+            scheduler half's admission lookups).
         store: The store client's stats, if any.
         half: ``"scheduler"`` or ``"worker"``: which payload sections the
             machine's counts go to.
@@ -306,6 +308,7 @@ class StatsSource:
         self,
         *,
         machine: AnyMachine | None = None,
+        also: Iterable[AnyMachine] = (),
         store: StoreCounters | None = None,
         half: str = "scheduler",
         groups: Callable[[], dict[str, dict[str, int]]] | None = None,
@@ -318,8 +321,9 @@ class StatsSource:
         self._store = store
         self._trips = store.breaker_trips if store is not None else 0
         self._watched: list[_Watched] = []
-        if machine is not None:
-            self.watch(machine)
+        for watched in (machine, *also):
+            if watched is not None:
+                self.watch(watched)
 
     def watch(self, machine: AnyMachine) -> None:
         """Report `machine`'s counts from now on, beside those watched.

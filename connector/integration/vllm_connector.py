@@ -292,14 +292,18 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             clients.release(self._client)
             self._client = None
             raise
-        self._stats = StatsSource(
-            machine=self._scheduler.machine if self._scheduler else None,
-            store=self._client.stats,
-            half="scheduler" if self._scheduler else "worker",
-            groups=self._scheduler_group_stats if self._scheduler else None,
+        self._stats = self._stats_source(self._client)
+
+    def _stats_source(self, client: StoreClient) -> StatsSource:
+        """This half's `get_kv_connector_stats` answers."""
+        scheduler = self._scheduler
+        return StatsSource(
+            machine=scheduler.machine if scheduler else None,
+            also=(scheduler.lookup_machine,) if scheduler else (),
+            store=client.stats,
+            half="scheduler" if scheduler else "worker",
+            groups=self._scheduler_group_stats if scheduler else None,
         )
-        if self._scheduler is not None:
-            self._stats.watch(self._scheduler.lookup_machine)
 
     # ------------------------------------------------------- scheduler side
 

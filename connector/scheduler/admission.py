@@ -58,6 +58,10 @@ class LookupState(enum.Enum):
     REFRESHING = "refreshing"
     DROPPED = "dropped"
 
+    # Singletons compared by identity: identity hashing is consistent
+    # with equality and keeps the machine's dispatch lookups in C.
+    __hash__ = object.__hash__
+
 
 class LookupEvent(enum.StrEnum):
     """What happens to a request's admission lookup."""

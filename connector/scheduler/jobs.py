@@ -285,13 +285,3 @@ def save_range(
     if not prompt:  # a consumer keeps only what it generated
         first = max(first, num_prompt // bs)
     return first, last
-
-
-def nothing_to_save(
-    tracker: Any, block_size: int, *, decode: bool, stopped: bool = False
-) -> bool:
-    """Prompt saved and decode blocks not saved, or `stopped`."""
-    if stopped:
-        return True
-    saved = tracker.num_saved_tokens + block_size
-    return not decode and saved > tracker.num_prompt_tokens

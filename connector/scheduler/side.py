@@ -62,7 +62,6 @@ from connector.scheduler.jobs import (
     BlockPool,
     JobTable,
     failed_hashes,
-    nothing_to_save,
     save_range,
 )
 from connector.scheduler.lookup import (
@@ -359,6 +358,11 @@ class SchedulerSide:
         """
         resumed = cached.resumed_req_ids
         bs, generation = self.block_size, self.generation
+        # Nothing left to save, inlined (every running request, every
+        # step): the prompt is saved and decode blocks are not, or a cache
+        # reset came since the request's lookup (its generation is not
+        # ours).
+        prompt_only = not self.save_decode
         get = self.registry.get
         for req_id, new_ids, computed in zip(
             cached.req_ids,
@@ -373,12 +377,10 @@ class SchedulerSide:
                 # A resume replaces the block table (vLLM #46595).
                 self.registry.fire_on(tracker, Event.RESUME)
                 self._set_tables(tracker, new_ids or ())
-            elif nothing_to_save(
-                tracker,
-                bs,
-                decode=self.save_decode,
-                stopped=tracker.generation != generation,
-            ):
+            elif (
+                prompt_only
+                and tracker.num_saved_tokens + bs > tracker.num_prompt_tokens
+            ) or tracker.generation != generation:
                 # Prompt saved (decode): no save is left to issue, so the
                 # table is not needed until a resume replaces it.
                 continue
@@ -388,12 +390,10 @@ class SchedulerSide:
                     tracker.group_block_ids, new_ids[1:], strict=False
                 ):
                     table.extend(ids)
-            if nothing_to_save(
-                tracker,
-                bs,
-                decode=self.save_decode,
-                stopped=tracker.generation != generation,
-            ):
+            if (
+                prompt_only
+                and tracker.num_saved_tokens + bs > tracker.num_prompt_tokens
+            ) or tracker.generation != generation:
                 continue  # prompt saved: `_maybe_save` would no-op
             done = computed + scheduled.get(req_id, 0)
             self._maybe_save(tracker, done, jobs)

@@ -7,10 +7,13 @@ then is SIGKILLed; a reader with no segment of its own gets them.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
 import signal
+import urllib.parse
+import urllib.request
 
 import attrs
 import pytest
@@ -175,6 +178,23 @@ def test_a_replica_of_another_size_is_never_read(dead_owner, caplog):
         assert not out.any()
         assert reader.stats[Op.REPLICA_GET].failures == {Outcome.INVALID: N}
         assert "not read" in caplog.text
+
+
+def test_registered_regions_are_published_by_the_clients_engine(store_config):
+    """The store runs on the client's own engine: the segment descriptor
+    that engine publishes (under the store's name) lists the store's
+    segment and every `register` region, so raw reads land in them."""
+    with StoreClient.open(store_config) as client:
+        assert client.replica_reads
+        out = torch.zeros(BLOCK, dtype=torch.uint8)
+        client.register_tensor(out)
+        key = urllib.parse.quote(f"mooncake/ram/{client.hostname}", safe="")
+        url = f"{store_config.metadata_server}?key={key}"
+        with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310
+            published = json.loads(reply.read())
+        buffers = {(b["addr"], b["length"]) for b in published["buffers"]}
+        assert (out.data_ptr(), BLOCK) in buffers
+        assert store_config.global_segment_size in {n for _, n in buffers}
 
 
 def test_without_an_engine_of_its_own_the_client_warns_and_works(

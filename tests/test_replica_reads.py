@@ -76,6 +76,7 @@ def dead_owner(start_master, unique):
         global_segment_size=16 * MiB,
         namespace="replicas",
         replica_num=2,
+        rpc_timeout_ms=10_000,  # a loaded machine: no master call times out
     )
     namespace = f"rr-{unique}"
     holder = StoreClient.open(config)

@@ -43,6 +43,8 @@ from typing import (
     Self,
 )
 
+import attrs
+
 from connector.errors import (
     RegionError,
     RegistrationError,
@@ -547,13 +549,15 @@ class StoreClient:
         *,
         avoid: Collection[str] = (),
     ) -> BatchResult:
-        """Read each key from a replica a get would not read.
+        """Read each key from a live replica outside ``avoid``.
 
         Per key: the first complete memory replica (master's order) that
         is neither the one a get reads (this client's own segment if it
         holds one, else the first) nor in ``avoid``; read raw through
-        this client's transfer engine straight into the region.  HIT only
-        when the replica's size equals the region's and every byte
+        this client's transfer engine straight into the region.  A key
+        still failed then, whose get segment is not in ``avoid`` and just
+        answered another key's raw read, is read from that segment.  HIT
+        only when the replica's size equals the region's and every byte
         arrived; a size mismatch is INVALID (code = the replica's size)
         and nothing is read; a key with no such replica, or without a
         transfer engine of its own, is TRANSFER_FAILED.  Keys actually
@@ -675,54 +679,50 @@ class StoreClient:
     ) -> frozenset[str]:
         """Raw reads from another replica; updates the tried keys' entries.
 
-        Counts the tried keys (a size mismatch included) as one
-        ``Op.REPLICA_GET`` call.  Returns the segments a get reads these
-        keys from (those it avoids).
+        First from a replica a get would not read (`other_replica`).  A
+        key still failed whose own read segment then answered another
+        raw read is read from that segment once more: Mooncake fails a
+        whole batch when one of its transfers stalls, so a get can fail
+        keys of a live segment beside the sick one's.  Counts the tried
+        keys (a size mismatch included) as one ``Op.REPLICA_GET`` call.
+
+        Returns the segments a get reads these keys from, less those a
+        raw read just succeeded from: the suspects.
         """
         reader = self._reader
         if reader is None:
             return frozenset()
         started = time.perf_counter()
         local = self._store.get_hostname()
-        tried: list[int] = []
-        reads: list[tuple[Replica, list[tuple[int, int]]]] = []
-        first: set[str] = set()
-        for i, found in enumerate(self._replicas(keys)):
-            first.add(read_from(found, local))
-            source = other_replica(found, local, avoid)
-            if source is None:
-                continue
-            tried.append(i)
-            size = regions.sizes[i]
-            if source.size != size:
-                log.warning(
-                    "replica of %r on %s holds %d B, the region %d B: "
-                    "not read",
-                    keys[i],
-                    source.endpoint,
-                    source.size,
-                    size,
-                )
-                outcomes[i] = Outcome.INVALID
-                codes[i] = source.size
-                continue
-            reads.append((source, _pieces(regions, i)))
-        first.discard("")
-        if not tried:
-            return frozenset(first)
-        readable = [i for i in tried if outcomes[i] is not Outcome.INVALID]
-        for i, ok in zip(readable, reader.read(reads), strict=True):
-            if ok:
-                outcomes[i] = Outcome.HIT
-                codes[i] = regions.sizes[i]
-        self._finish(
-            Op.REPLICA_GET,
-            [outcomes[i] for i in tried],
-            [codes[i] for i in tried],
-            sum(regions.sizes[i] for i in tried if outcomes[i] is Outcome.HIT),
-            started,
-        )
-        return frozenset(first)
+        found = self._replicas(keys)
+        firsts = [read_from(f, local) for f in found]
+        retry = _RawReads(reader, keys, regions, outcomes, codes)
+        retry.read([other_replica(f, local, avoid) for f in found])
+        again = [
+            next(r for r in f if r.endpoint == first)
+            if outcomes[i] is Outcome.TRANSFER_FAILED
+            and first in retry.alive
+            and first not in avoid
+            else None
+            for i, (f, first) in enumerate(zip(found, firsts, strict=True))
+        ]
+        if any(again):
+            retry.read(again)
+        if retry.tried:
+            tried = sorted(retry.tried)
+            self._finish(
+                Op.REPLICA_GET,
+                [outcomes[i] for i in tried],
+                [codes[i] for i in tried],
+                sum(
+                    regions.sizes[i]
+                    for i in tried
+                    if outcomes[i] is Outcome.HIT
+                ),
+                started,
+            )
+        alive = retry.alive
+        return frozenset(f for f in firsts if f and f not in alive)
 
     def _regions(self, keys: list[str], regions: RegionsLike) -> Regions:
         if not isinstance(regions, Regions):
@@ -894,6 +894,52 @@ class StoreClient:
             self._inflight -= 1
             if self._closed and not self._inflight:
                 self._idle.notify_all()
+
+
+@attrs.define
+class _RawReads:
+    """One retry's raw reads: updates the keys' outcomes and codes."""
+
+    reader: ReplicaReader
+    keys: list[str]
+    regions: Regions
+    outcomes: list[Outcome]
+    codes: list[int]
+    tried: set[int] = attrs.Factory(set)
+    alive: set[str] = attrs.Factory(set)
+    """Segments a raw read succeeded from."""
+
+    def read(self, picks: list[Replica | None]) -> None:
+        """Read each picked replica into its key's region (size-checked)."""
+        readable: list[int] = []
+        reads: list[tuple[Replica, list[tuple[int, int]]]] = []
+        for i, source in enumerate(picks):
+            if source is None:
+                continue
+            self.tried.add(i)
+            size = self.regions.sizes[i]
+            if source.size != size:
+                log.warning(
+                    "replica of %r on %s holds %d B, the region %d B: "
+                    "not read",
+                    self.keys[i],
+                    source.endpoint,
+                    source.size,
+                    size,
+                )
+                self.outcomes[i] = Outcome.INVALID
+                self.codes[i] = source.size
+                continue
+            readable.append(i)
+            reads.append((source, _pieces(self.regions, i)))
+        if not reads:
+            return
+        done = self.reader.read(reads)
+        for i, (source, _), ok in zip(readable, reads, done, strict=True):
+            if ok:
+                self.outcomes[i] = Outcome.HIT
+                self.codes[i] = self.regions.sizes[i]
+                self.alive.add(source.endpoint)
 
 
 def _pieces(regions: Regions, index: int) -> list[tuple[int, int]]:

@@ -271,3 +271,30 @@ def test_without_an_engine_of_its_own_the_client_warns_and_works(
         ]
     finally:
         client.close()
+
+
+def test_a_store_that_refuses_the_engine_is_set_up_without_it(
+    store_config, monkeypatch, caplog
+):
+    """`setup()` refusing the engine object: one WARNING naming why, the
+    store set up again on its own engine, gets served."""
+    from connector.store import engine  # noqa: PLC0415
+
+    monkeypatch.setattr(engine.ReplicaReader, "inner", property(lambda _: 42))
+    with caplog.at_level(logging.WARNING, logger="connector.store.client"):
+        client = StoreClient.open(store_config)
+    try:
+        assert not client.replica_reads
+        warnings = [
+            r for r in caplog.records if "own transfer engine" in r.message
+        ]
+        assert len(warnings) == 1, [r.message for r in caplog.records]
+        assert "not retried on another" in warnings[0].message
+        src = block(1)
+        client.register_tensor(src)
+        key = [f"refused-{os.getpid()}"]
+        regions = Regions.blocks(src.data_ptr(), BLOCK, [0])
+        assert client.put(key, regions).ok
+        assert client.get(key, regions).ok
+    finally:
+        client.close()

@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 import urllib.parse
 import urllib.request
 
@@ -224,20 +225,30 @@ def test_a_replica_of_another_size_is_never_read(dead_owner, caplog):
         assert "not read" in caplog.text
 
 
-def test_registered_regions_are_published_by_the_clients_engine(store_config):
+def test_registered_regions_are_published_by_the_clients_engine(
+    store_config, caplog
+):
     """The store runs on the client's own engine: the segment descriptor
     that engine publishes (under the store's name) lists the store's
     segment and every `register` region, so raw reads land in them."""
-    with StoreClient.open(store_config) as client:
-        assert client.replica_reads
+    with (
+        caplog.at_level(logging.WARNING, logger="connector.store.client"),
+        StoreClient.open(store_config) as client,
+    ):
+        assert client.replica_reads, caplog.text
         out = torch.zeros(BLOCK, dtype=torch.uint8)
         client.register_tensor(out)
         key = urllib.parse.quote(f"mooncake/ram/{client.hostname}", safe="")
         url = f"{store_config.metadata_server}?key={key}"
-        with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310
-            published = json.loads(reply.read())
-        buffers = {(b["addr"], b["length"]) for b in published["buffers"]}
-        assert (out.data_ptr(), BLOCK) in buffers
+        buffers: set[tuple[int, int]] = set()
+        for _ in range(50):  # bounded: the descriptor is written at once
+            with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310
+                published = json.loads(reply.read())
+            buffers = {(b["addr"], b["length"]) for b in published["buffers"]}
+            if (out.data_ptr(), BLOCK) in buffers:
+                break
+            time.sleep(0.1)
+        assert (out.data_ptr(), BLOCK) in buffers, (published, out.data_ptr())
         assert store_config.global_segment_size in {n for _, n in buffers}
 
 

@@ -17,7 +17,9 @@ metadata server on, loopback only) and instance processes
 - ``replica2``: with ``replica_num = 2``, an instance stores prefixes
   while only it and B have segments (so every object has a replica in
   each), C joins, the storing instance is SIGKILLed, and B and C load
-  the prefixes: loads that hit and loads that failed after the death.
+  the prefixes: loads that hit and loads that failed after the death
+  (goal 0: a get that picks the dead replica is read again from the
+  live one).
 - ``hung_peer``: an instance alone stores hot prefixes (the only copy
   lives in its segment); another loads some of them (the baseline), then
   the owner is SIGSTOPped while the other runs requests on its other
@@ -697,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
         and full["requests_finished"] == full["requests"]
         and full["mismatches"] == 0
         and report["restart"]["hits_both_directions"]
+        and report["replica2"]["loads_failed_after_death"] == 0
     )
     ssd = report.get("store_full_ssd")
     if ssd is not None:

@@ -217,3 +217,75 @@ def test_worker_skips_a_peer_whose_get_just_failed():
     clock.now += 1.0
     store.get(["a1"], regions.select([0]))
     assert dead.got[-1] == ["a1"]  # tried again after hold_s
+
+
+class ReplicatedStore(DeadPeerStore):
+    """A's keys also live in C: a get's retry and `read_replicas` read C.
+
+    A get of A's keys fails on A and is retried on C (unless C is in
+    `avoid`), reporting A in `failed_segments`, like `StoreClient.get`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.avoided = []
+        self.read = []
+
+    def replica_endpoints(self, keys):
+        return [
+            ("A:1", "C:1") if k.startswith("a") else ("B:1",) for k in keys
+        ]
+
+    def get(self, keys, regions, *, avoid=()):
+        from connector.store import BatchResult, Op, Outcome  # noqa: PLC0415
+
+        self.got.append(list(keys))
+        self.avoided.append(set(avoid))
+        retry = "C:1" not in avoid
+        outcomes = [
+            Outcome.HIT
+            if not k.startswith("a") or retry
+            else Outcome.TRANSFER_FAILED
+            for k in keys
+        ]
+        failed_on = (
+            frozenset({"A:1"})
+            if any(k.startswith("a") for k in keys)
+            else frozenset()
+        )
+        return BatchResult(
+            Op.GET, outcomes, [0] * len(keys), failed_segments=failed_on
+        )
+
+    def read_replicas(self, keys, regions, *, avoid=()):
+        from connector.store import BatchResult, Op, Outcome  # noqa: PLC0415
+
+        assert len(regions) == len(keys)
+        self.read.append((list(keys), set(avoid)))
+        ok = "C:1" not in avoid
+        outcome = Outcome.HIT if ok else Outcome.TRANSFER_FAILED
+        return BatchResult(
+            Op.REPLICA_GET, [outcome] * len(keys), [0] * len(keys)
+        )
+
+
+def test_a_sick_peers_keys_are_read_from_another_replica():
+    """A get whose first try failed on A, served by a retry on C, still
+    fences A; later gets read A's keys from C without touching A, and
+    never from a fenced peer."""
+    from connector.store import Regions  # noqa: PLC0415
+    from connector.worker.sick import SickPeerStore  # noqa: PLC0415
+
+    clock = Clock()
+    replicated = ReplicatedStore()
+    store = SickPeerStore(replicated, hold_s=1.0, clock=clock)
+    regions = Regions.blocks(4096, 64, [0, 1, 2])
+    first = store.get(["a0", "b0"], regions.select([0, 1]))
+    assert first.succeeded == [True, True]
+    assert store.sick() == {"A:1"}  # learned from `failed_segments`
+    got = store.get(["a1", "b1", "a2"], regions)
+    assert got.succeeded == [True, True, True]
+    assert replicated.got[-1] == ["b1"]  # no get of A's keys
+    assert replicated.avoided[-1] == {"A:1"}
+    assert replicated.read == [(["a1", "a2"], {"A:1"})]
+    assert store.skipped == 2

@@ -281,3 +281,39 @@ def test_prometheus_metrics_follow_vllm_names_and_count():
     assert value(MetricName.STORE_OPS, zero) is None
     names = {m.name for m in registry.collect()}
     assert all(n.startswith("vllm:kv_lifecycle_") for n in names)
+
+
+def test_replica_retries_are_counted_as_their_own_operation(lifecycle):
+    """A get's keys read again from another replica count under
+    ``replica_get``: keys tried, failures by outcome (successes are the
+    difference), in the payload and in Prometheus."""
+    machine, _ = lifecycle
+    store = StoreCounters()
+    source = StatsSource(machine=machine, store=store)
+    record(store, Op.GET, [Outcome.HIT] * 3, nbytes=300)
+    record(
+        store,
+        Op.REPLICA_GET,
+        [Outcome.HIT, Outcome.HIT, Outcome.TRANSFER_FAILED],
+        nbytes=200,
+    )
+    taken = source.take()
+    assert taken is not None
+    retried = taken.data["store"]["replica_get"]
+    assert (retried["ops"], retried["keys"], retried["bytes"]) == (1, 3, 200)
+    assert retried["failures"] == {"TRANSFER_FAILED": 1}
+    assert taken.data["store"]["get"]["keys"] == 3
+    assert taken.reduce()["Store replica_get failed keys"] == 1
+    registry = CollectorRegistry()
+    prom = MooncakeLifecycleConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        metric_types(registry),
+        ["engine"],
+        {0: ["0"]},
+    )
+    prom.observe(taken.data)
+    labels = {"engine": "0", "operation": "replica_get"}
+    value = registry.get_sample_value
+    assert value(MetricName.STORE_KEYS, labels) == 3
+    failed = {**labels, "outcome": "TRANSFER_FAILED"}
+    assert value(MetricName.STORE_FAILURES, failed) == 1

@@ -23,10 +23,10 @@ failed load, or one deadline, per block.
 
 Which replica a get reads is Mooncake's choice, not ours: a replica in the
 reader's own segment, else the first complete memory replica the master
-lists (`mooncake-store/include/replica_selection.h`); the Python client
-cannot pick another.  The fence mirrors that rule (`read_from`): a block
-whose read replica sits on a fenced peer is cut even if another replica
-lives, since its get would still fail.
+lists (`mooncake-store/include/replica_selection.h`).  The fence mirrors
+that rule (`read_from`): a block whose read replica sits on a fenced peer
+is cut even if another replica lives (the worker could read that one,
+`StoreClient.read_replicas`, but the lookup does not count on it).
 
 Thread-safe; no store or vLLM import: the lookup wraps a `Where`.
 """

@@ -35,6 +35,8 @@ class BatchResult(Sequence[Outcome]):
         elapsed_s: wall time of the call.
         short_circuited: nothing was sent: the breaker was open.
         num_failed: keys that did not succeed (``-1``: not counted yet).
+        failed_segments: segments a get's transfer failed on, for keys
+            then read again from another replica (empty otherwise).
     """
 
     op: Op
@@ -44,6 +46,7 @@ class BatchResult(Sequence[Outcome]):
     elapsed_s: float = 0.0
     short_circuited: bool = False
     num_failed: int = -1
+    failed_segments: frozenset[str] = frozenset()
 
     @overload
     def __getitem__(self, index: int) -> Outcome: ...

@@ -35,13 +35,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
     Final,
     Self,
 )
+
+import attrs
 
 from connector.errors import (
     RegionError,
@@ -64,12 +66,18 @@ from connector.store.codes import (
     outcome_of_error,
 )
 from connector.store.counters import StoreCounters
+from connector.store.engine import (
+    Replica,
+    ReplicaReader,
+    memory_replicas,
+    other_replica,
+    read_from,
+)
 from connector.store.mooncake import (
     MooncakeStore,
     _local_address,
     _mooncake_store,
     _probe_master,
-    memory_endpoints,
 )
 from connector.store.regions import Regions, RegionsLike
 
@@ -109,9 +117,15 @@ class StoreClient:
         *,
         replicate_config: Any = None,
         check_regions: bool = False,
+        reader: ReplicaReader | None = None,
     ) -> None:
-        """Wrap an already set-up ``store``; prefer ``StoreClient.open``."""
+        """Wrap an already set-up ``store``; prefer ``StoreClient.open``.
+
+        ``reader`` is the transfer engine ``store`` was set up on (None:
+        a failed get is not retried on another replica).
+        """
         self._store = store
+        self._reader = reader
         self.config = config
         self._replicate = replicate_config
         self._check_regions = check_regions
@@ -146,6 +160,12 @@ class StoreClient:
         RPC port is probed with a TCP connect first, so a master that is
         down fails at once instead of after Mooncake's retries.
 
+        With the real store the client first starts a transfer engine of
+        its own and sets the store up on it, so that a failed get can be
+        read again from another replica (``read_replicas``).  If the
+        engine cannot start or ``setup()`` refuses it, one WARNING, and
+        the store is set up as before (no second try on a replica).
+
         Args:
             config: validated configuration.
             store_factory: returns ``(store, replicate_config)``; default
@@ -160,41 +180,44 @@ class StoreClient:
         """
         os.environ.update(config.client_env())
         address = config.master_server_address
+        real = store_factory is None
         if store_factory is None:
             _probe_master(config)
             store_factory = _mooncake_store
         hostname = config.local_hostname or _local_address(
             config.master_host, config.master_port
         )
-        store, replicate = store_factory()
+        reader = None
+        if real:
+            reader = _open_reader(config, hostname)
+        started = time.monotonic()
+        store, replicate, rc = _setup(store_factory, config, hostname, reader)
+        if rc != 0 and reader is not None:
+            log.warning(
+                "Mooncake store setup() on the connector's own transfer "
+                "engine returned %s; set up without it: a load that fails "
+                "on one replica is not retried on another",
+                rc,
+            )
+            reader.close()
+            reader = None
+            store, replicate, rc = _setup(
+                store_factory, config, hostname, None
+            )
         if replicate is not None and hasattr(replicate, "replica_num"):
             replicate.replica_num = config.replica_num
-        started = time.monotonic()
-        rc = store.setup(
-            hostname,
-            config.metadata_server,
-            config.global_segment_size,
-            config.local_buffer_size,
-            config.protocol,
-            config.device_name,
-            address,
-            None,
-            config.enable_ssd_offload,
-            config.ssd_offload_path,
-            config.tenant_id,
-            config.enable_client_http_server,
-            config.client_http_port,
-        )
         if rc != 0:
             reason = (
                 f"setup() returned {rc} after "
                 f"{time.monotonic() - started:.1f} s (metadata server "
                 f"{config.metadata_server}, protocol {config.protocol})"
             )
-            raise StoreUnavailable(address, rc, reason)
+            raise StoreUnavailable(
+                address, rc if isinstance(rc, int) else None, reason
+            )
         log.info(
             "Mooncake store client %s connected to %s in %.2f s "
-            "(segment %d B, protocol %s, namespace %r, tenant %r%s)",
+            "(segment %d B, protocol %s, namespace %r, tenant %r%s%s)",
             store.get_hostname(),
             address,
             time.monotonic() - started,
@@ -203,12 +226,14 @@ class StoreClient:
             config.namespace,
             config.tenant_id,
             ", SSD tier on" if config.enable_ssd_offload else "",
+            ", replica reads on" if reader is not None else "",
         )
         return cls(
             store,
             config,
             replicate_config=replicate,
             check_regions=check_regions,
+            reader=reader,
         )
 
     def close(self) -> bool:
@@ -250,6 +275,8 @@ class StoreClient:
                 self.config.close_timeout_ms,
             )
             return False
+        if self._reader is not None:
+            self._reader.close()
         if result and result[0] != 0:
             log.warning("Mooncake store close() returned %d", result[0])
         return True
@@ -279,6 +306,11 @@ class StoreClient:
     def raw(self) -> MooncakeStore:
         """The underlying Mooncake client (benchmarks, diagnostics)."""
         return self._store
+
+    @property
+    def replica_reads(self) -> bool:
+        """Whether a failed get is retried on another replica."""
+        return self._reader is not None
 
     @property
     def replicate_config(self) -> Any:
@@ -381,22 +413,22 @@ class StoreClient:
         on any error.  One master call (``batch_get_replica_desc``),
         metadata only.
         """
+        return [
+            tuple(r.endpoint for r in found) for found in self.replicas(keys)
+        ]
+
+    def replicas(self, keys: Sequence[str]) -> list[tuple[Replica, ...]]:
+        """Per key, its complete memory replicas, in the master's order.
+
+        () when none or on any error.  One master call
+        (``batch_get_replica_desc``), metadata only.
+        """
         keys = list(keys)
         if not keys:
             return []
         self._enter("replicas")
         try:
-            ask = getattr(self._store, "batch_get_replica_desc", None)
-            if ask is None or not self.breaker.allow():
-                return [()] * len(keys)
-            try:
-                found = ask(keys)
-            except RuntimeError:
-                self.breaker.release()
-                log.warning("batch_get_replica_desc failed", exc_info=True)
-                return [()] * len(keys)
-            self.breaker.record(outage=False)
-            return [memory_endpoints(found.get(k, ())) for k in keys]
+            return self._replicas(keys)
         finally:
             self._exit()
 
@@ -437,12 +469,23 @@ class StoreClient:
         finally:
             self._exit()
 
-    def get(self, keys: Sequence[str], regions: RegionsLike) -> BatchResult:
+    def get(
+        self,
+        keys: Sequence[str],
+        regions: RegionsLike,
+        *,
+        avoid: Collection[str] = (),
+    ) -> BatchResult:
         """Read each key into its region: HIT only if all bytes arrived.
 
         A MISS, or any error outcome, means the region's contents are
         undefined and the block must be recomputed. A stored object whose
         size differs from the region is INVALID (code = its size).
+
+        A key whose transfer failed (``TRANSFER_FAILED``, not a miss) is
+        read once more from another complete memory replica, if there is
+        one outside the segment the get read and outside ``avoid``
+        (segment names): see ``read_replicas``.
 
         Raises:
             RegionError: ``regions`` do not match ``keys``.
@@ -489,8 +532,63 @@ class StoreClient:
                 else Outcome.INVALID
                 for c, s in zip(codes, regions.sizes, strict=True)
             ]
+            failed_on = frozenset[str]()
+            if self._reader is not None:
+                failed_on = self._retry(keys, regions, outcomes, codes, avoid)
             nbytes = _sum_ok(regions.sizes, outcomes, regions.nbytes)
-            return self._finish(Op.GET, outcomes, codes, nbytes, started)
+            result = self._finish(Op.GET, outcomes, codes, nbytes, started)
+            result.failed_segments = failed_on
+            return result
+        finally:
+            self._exit()
+
+    def read_replicas(
+        self,
+        keys: Sequence[str],
+        regions: RegionsLike,
+        *,
+        avoid: Collection[str] = (),
+    ) -> BatchResult:
+        """Read each key from a live replica outside ``avoid``.
+
+        Per key: the first complete memory replica (master's order) that
+        is neither the one a get reads (this client's own segment if it
+        holds one, else the first) nor in ``avoid``; read raw through
+        this client's transfer engine straight into the region.  A key
+        still failed then, whose get segment is not in ``avoid`` and just
+        answered another key's raw read, is read from that segment.  HIT
+        only when the replica's size equals the region's and every byte
+        arrived; a size mismatch is INVALID (code = the replica's size)
+        and nothing is read; a key with no such replica, or without a
+        transfer engine of its own, is TRANSFER_FAILED.  Keys actually
+        tried count under ``Op.REPLICA_GET``.
+
+        Raises:
+            RegionError: ``regions`` do not match ``keys``.
+            StoreClosedError: after ``close()``.
+        """
+        started = time.perf_counter()
+        keys = keys if isinstance(keys, list) else list(keys)
+        regions = self._regions(keys, regions)
+        n = len(keys)
+        if not n:
+            return BatchResult(Op.REPLICA_GET, [], [], num_failed=0)
+        self._enter("read_replicas")
+        try:
+            failed = int(ErrorCode.TRANSFER_FAIL)
+            outcomes = [Outcome.TRANSFER_FAILED] * n
+            codes = [failed] * n
+            if self._reader is not None and self.breaker.allow():
+                self._read_replicas(keys, regions, outcomes, codes, avoid)
+            nbytes = _sum_ok(regions.sizes, outcomes, regions.nbytes)
+            return BatchResult(
+                Op.REPLICA_GET,
+                outcomes,
+                codes,
+                nbytes,
+                time.perf_counter() - started,
+                num_failed=n - _num_ok(outcomes),
+            )
         finally:
             self._exit()
 
@@ -523,6 +621,108 @@ class StoreClient:
             self._exit()
 
     # -- internals ------------------------------------------------------------
+
+    def _replicas(self, keys: list[str]) -> list[tuple[Replica, ...]]:
+        """`replicas` inside a call (entered, non-empty keys)."""
+        ask = getattr(self._store, "batch_get_replica_desc", None)
+        if ask is None or not self.breaker.allow():
+            return [()] * len(keys)
+        try:
+            found = ask(keys)
+        except RuntimeError:
+            self.breaker.release()
+            log.warning("batch_get_replica_desc failed", exc_info=True)
+            return [()] * len(keys)
+        self.breaker.record(outage=False)
+        return [memory_replicas(found.get(k, ())) for k in keys]
+
+    def _retry(
+        self,
+        keys: list[str],
+        regions: Regions,
+        outcomes: list[Outcome],
+        codes: list[int],
+        avoid: Collection[str],
+    ) -> frozenset[str]:
+        """Read the keys whose transfer failed from another replica.
+
+        Returns the segments the failed transfers read from.
+        """
+        failed = [
+            i for i, o in enumerate(outcomes) if o is Outcome.TRANSFER_FAILED
+        ]
+        if not failed:
+            return frozenset()
+        sub_outcomes = [outcomes[i] for i in failed]
+        sub_codes = [codes[i] for i in failed]
+        failed_on = self._read_replicas(
+            [keys[i] for i in failed],
+            regions.select(failed),
+            sub_outcomes,
+            sub_codes,
+            avoid,
+        )
+        for i, outcome, code in zip(
+            failed, sub_outcomes, sub_codes, strict=True
+        ):
+            outcomes[i] = outcome
+            codes[i] = code
+        return failed_on
+
+    def _read_replicas(
+        self,
+        keys: list[str],
+        regions: Regions,
+        outcomes: list[Outcome],
+        codes: list[int],
+        avoid: Collection[str],
+    ) -> frozenset[str]:
+        """Raw reads from another replica; updates the tried keys' entries.
+
+        First from a replica a get would not read (`other_replica`).  A
+        key still failed whose own read segment then answered another
+        raw read is read from that segment once more: Mooncake fails a
+        whole batch when one of its transfers stalls, so a get can fail
+        keys of a live segment beside the sick one's.  Counts the tried
+        keys (a size mismatch included) as one ``Op.REPLICA_GET`` call.
+
+        Returns the segments a get reads these keys from, less those a
+        raw read just succeeded from: the suspects.
+        """
+        reader = self._reader
+        if reader is None:
+            return frozenset()
+        started = time.perf_counter()
+        local = self._store.get_hostname()
+        found = self._replicas(keys)
+        firsts = [read_from(f, local) for f in found]
+        retry = _RawReads(reader, keys, regions, outcomes, codes)
+        retry.read([other_replica(f, local, avoid) for f in found])
+        again = [
+            next(r for r in f if r.endpoint == first)
+            if outcomes[i] is Outcome.TRANSFER_FAILED
+            and first in retry.alive
+            and first not in avoid
+            else None
+            for i, (f, first) in enumerate(zip(found, firsts, strict=True))
+        ]
+        if any(again):
+            retry.read(again)
+        if retry.tried:
+            tried = sorted(retry.tried)
+            self._finish(
+                Op.REPLICA_GET,
+                [outcomes[i] for i in tried],
+                [codes[i] for i in tried],
+                sum(
+                    regions.sizes[i]
+                    for i in tried
+                    if outcomes[i] is Outcome.HIT
+                ),
+                started,
+            )
+        alive = retry.alive
+        return frozenset(f for f in firsts if f and f not in alive)
 
     def _regions(self, keys: list[str], regions: RegionsLike) -> Regions:
         if not isinstance(regions, Regions):
@@ -694,3 +894,112 @@ class StoreClient:
             self._inflight -= 1
             if self._closed and not self._inflight:
                 self._idle.notify_all()
+
+
+@attrs.define
+class _RawReads:
+    """One retry's raw reads: updates the keys' outcomes and codes."""
+
+    reader: ReplicaReader
+    keys: list[str]
+    regions: Regions
+    outcomes: list[Outcome]
+    codes: list[int]
+    tried: set[int] = attrs.Factory(set)
+    alive: set[str] = attrs.Factory(set)
+    """Segments a raw read succeeded from."""
+
+    def read(self, picks: list[Replica | None]) -> None:
+        """Read each picked replica into its key's region (size-checked)."""
+        readable: list[int] = []
+        reads: list[tuple[Replica, list[tuple[int, int]]]] = []
+        for i, source in enumerate(picks):
+            if source is None:
+                continue
+            self.tried.add(i)
+            size = self.regions.sizes[i]
+            if source.size != size:
+                log.warning(
+                    "replica of %r on %s holds %d B, the region %d B: "
+                    "not read",
+                    self.keys[i],
+                    source.endpoint,
+                    source.size,
+                    size,
+                )
+                self.outcomes[i] = Outcome.INVALID
+                self.codes[i] = source.size
+                continue
+            readable.append(i)
+            reads.append((source, _pieces(self.regions, i)))
+        if not reads:
+            return
+        done = self.reader.read(reads)
+        for i, (source, _), ok in zip(readable, reads, done, strict=True):
+            if ok:
+                self.outcomes[i] = Outcome.HIT
+                self.codes[i] = self.regions.sizes[i]
+                self.alive.add(source.endpoint)
+
+
+def _pieces(regions: Regions, index: int) -> list[tuple[int, int]]:
+    """Key ``index``'s pieces as ``(ptr, nbytes)``, in order."""
+    if regions.piece_ptrs is None or regions.piece_sizes is None:
+        return [(regions.ptrs[index], regions.sizes[index])]
+    return list(
+        zip(regions.piece_ptrs[index], regions.piece_sizes[index], strict=True)
+    )
+
+
+def _open_reader(config: StoreConfig, hostname: str) -> ReplicaReader | None:
+    """The client's own transfer engine, or None (one WARNING)."""
+    try:
+        return ReplicaReader.open(
+            hostname,
+            config.metadata_server,
+            config.protocol,
+            config.device_name,
+        )
+    except (OSError, RuntimeError) as exc:
+        log.warning(
+            "kv-lifecycle could not start a transfer engine of its own "
+            "(%s): a load that fails on one replica is not retried on "
+            "another",
+            exc,
+        )
+        return None
+
+
+def _setup(
+    factory: Callable[[], tuple[MooncakeStore, Any]],
+    config: StoreConfig,
+    hostname: str,
+    reader: ReplicaReader | None,
+) -> tuple[MooncakeStore, Any, int | str]:
+    """A new Mooncake client, set up (on ``reader``'s engine if given).
+
+    Returns the store, its replicate config and ``setup()``'s code (a
+    string when Mooncake refused the engine object itself).
+    """
+    store, replicate = factory()
+    try:
+        rc: int | str = store.setup(
+            reader.name if reader is not None else hostname,
+            config.metadata_server,
+            config.global_segment_size,
+            config.local_buffer_size,
+            config.protocol,
+            config.device_name,
+            config.master_server_address,
+            reader.inner if reader is not None else None,
+            config.enable_ssd_offload,
+            config.ssd_offload_path,
+            config.tenant_id,
+            config.enable_client_http_server,
+            config.client_http_port,
+        )
+    except (TypeError, RuntimeError) as exc:
+        if reader is None:
+            raise
+        rc = f"{type(exc).__name__}: {exc}"
+    return store, replicate, rc

@@ -122,6 +122,8 @@ class Op(enum.Enum):
     EXISTS = "exists"
     PUT = "put"
     GET = "get"
+    REPLICA_GET = "replica_get"
+    """A get's second try: a raw read of another replica."""
     REMOVE = "remove"
 
 

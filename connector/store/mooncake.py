@@ -95,26 +95,6 @@ class MooncakeStore(Protocol):
     def close(self) -> int: ...
 
 
-def memory_endpoints(replicas: Any) -> tuple[str, ...]:
-    """The segments of the complete memory replicas, in the given order.
-
-    `replicas` are the ``ReplicaDescriptor`` objects of one key;
-    anything unreadable is skipped.
-    """
-    endpoints = []
-    for replica in replicas:
-        try:
-            if replica.status.name != "COMPLETE":
-                continue
-            if not replica.is_memory_replica():
-                continue
-            memory = replica.get_memory_descriptor()
-            endpoints.append(str(memory.buffer_descriptor.transport_endpoint))
-        except (AttributeError, RuntimeError):
-            continue
-    return tuple(endpoints)
-
-
 def _mooncake_store() -> tuple[MooncakeStore, Any]:
     """Create a real ``MooncakeDistributedStore`` and a ``ReplicateConfig``."""
     from mooncake.store import (

@@ -14,6 +14,11 @@ fails with a transfer failure, it asks the master where those keys live
 fails the keys read from a sick peer at once, without a transfer.  After
 `hold_s` the next get tries the peer again (a probe).  Saves pass
 through.  No vLLM import.
+
+With a store that reads other replicas (`StoreClient.read_replicas`, on
+a transfer engine of its own), a key read from a sick peer is read from
+another live replica instead of failing, and a get never retries a key
+on a sick peer (`avoid`).
 """
 
 from __future__ import annotations
@@ -68,10 +73,14 @@ class SickPeerStore:
         return self._store.put(keys, regions)
 
     def get(self, keys: Sequence[str], regions: Any) -> Any:
-        """The store's get, minus the keys read from a sick peer."""
+        """The store's get, minus the keys read from a sick peer.
+
+        Those are read from another live replica when the store can.
+        """
         skip = self._skip(keys)
+        replicas = getattr(self._store, "read_replicas", None)
         if not any(skip):
-            result = self._store.get(keys, regions)
+            result = self._get(keys, regions, replicas is not None)
             self._learn(keys, result)
             return result
         keep = [i for i, s in enumerate(skip) if not s]
@@ -80,11 +89,25 @@ class SickPeerStore:
             self.skipped += len(keys) - len(keep)
         if keep:
             sub = [keys[i] for i in keep]
-            result = self._store.get(sub, regions.select(keep))
+            result = self._get(sub, regions.select(keep), replicas is not None)
             self._learn(sub, result)
             for i, ok in zip(keep, result.succeeded, strict=True):
                 flags[i] = ok
+        if replicas is not None:
+            moved = [i for i, s in enumerate(skip) if s]
+            result = replicas(
+                [keys[i] for i in moved],
+                regions.select(moved),
+                avoid=self.sick(),
+            )
+            for i, ok in zip(moved, result.succeeded, strict=True):
+                flags[i] = ok
         return _Skipped(flags)
+
+    def _get(self, keys: Sequence[str], regions: Any, avoid: bool) -> Any:  # noqa: FBT001
+        if avoid:
+            return self._store.get(keys, regions, avoid=self.sick())
+        return self._store.get(keys, regions)
 
     def sick(self) -> frozenset[str]:
         """The peers skipped now."""
@@ -102,7 +125,11 @@ class SickPeerStore:
             return [p in self._sick for p in peers]
 
     def _learn(self, keys: Sequence[str], result: Any) -> None:
-        """Mark the peers of keys whose transfer failed."""
+        """Mark the peers of keys whose transfer failed.
+
+        Those of keys then read from another replica come with the
+        result (`failed_segments`).
+        """
         outcomes = getattr(result, "outcomes", None)
         if not outcomes:
             return
@@ -111,10 +138,11 @@ class SickPeerStore:
             for k, o in zip(keys, outcomes, strict=False)
             if getattr(o, "value", o) == _FAILED
         ]
-        if not failed:
-            return
+        peers = set(getattr(result, "failed_segments", ()))
+        if failed:
+            peers.update(self._read_from(failed))
         local = self._local
-        peers = {p for p in self._read_from(failed) if p and p != local}
+        peers = {p for p in peers if p and p != local}
         if not peers:
             return
         with self._lock:

@@ -1,0 +1,253 @@
+"""The transfer engine a store client owns, and raw reads of one replica.
+
+Mooncake's get reads one replica of a key, the one its client picks (a
+replica in the reader's own segment, else the first complete remote one
+in the master's order), and never tries another.  To read a *chosen*
+replica, the client sets the store up on a transfer engine it owns
+(``MooncakeDistributedStore.setup(..., engine=...)``): the store's
+segment and every ``register_buffer`` region are then registered with
+that engine, and ``ReplicaReader.read`` moves a replica's bytes from its
+owner's segment straight into a registered region.
+
+The engine must publish the same segment name as the store: the store
+records ``local_hostname`` (``ip:port``) as the transport endpoint of its
+segment, and a peer opens the segment by that name.  So the name gets an
+explicit port, held by a bound socket for the reader's lifetime (as
+Mooncake's own port binder does), and the same name is given to both.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+import attrs
+
+__all__ = ["Replica", "ReplicaReader", "memory_replicas"]
+
+log: Final = logging.getLogger(__name__)
+
+READ_WAIT_S: Final = 60.0
+"""Longest a raw read is waited for (the store's own wait for a get).
+
+The transport ends a read itself well before (``MC_TCP_PROGRESS_TIMEOUT_SEC``,
+set from the load deadline); past this bound a read counts as failed
+while the transport may still complete it, exactly as a store get does.
+"""
+
+_POLL_S: Final = 0.0002
+
+
+@attrs.frozen
+class Replica:
+    """One complete memory replica of a key.
+
+    Attributes:
+        endpoint: The owner's segment name (``ip:port``).
+        address: The object's address in that segment.
+        size: The object's size in bytes.
+    """
+
+    endpoint: str
+    address: int
+    size: int
+
+
+def memory_replicas(descriptors: Iterable[Any]) -> tuple[Replica, ...]:
+    """The complete memory replicas among ``ReplicaDescriptor`` objects.
+
+    In the given (the master's) order; anything unreadable is skipped.
+    """
+    found = []
+    for replica in descriptors:
+        try:
+            if replica.status.name != "COMPLETE":
+                continue
+            if not replica.is_memory_replica():
+                continue
+            buffer = replica.get_memory_descriptor().buffer_descriptor
+            found.append(
+                Replica(
+                    str(buffer.transport_endpoint),
+                    int(buffer.buffer_address),
+                    int(buffer.size),
+                )
+            )
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            continue
+    return tuple(found)
+
+
+def read_from(replicas: Sequence[Replica], local: str) -> str:
+    """The endpoint a store get reads (``""`` when there is none).
+
+    ``local`` if it holds a replica, else the first.
+    """
+    if local and any(r.endpoint == local for r in replicas):
+        return local
+    return replicas[0].endpoint if replicas else ""
+
+
+def other_replica(
+    replicas: Sequence[Replica], local: str, avoid: Iterable[str] = ()
+) -> Replica | None:
+    """The first replica a store get would *not* read, off ``avoid``."""
+    skip = {read_from(replicas, local), *avoid}
+    return next((r for r in replicas if r.endpoint not in skip), None)
+
+
+class ReplicaReader:
+    """A transfer engine owned by a store client, for raw replica reads.
+
+    Create with ``ReplicaReader.open``; hand ``inner`` to the store's
+    ``setup`` under ``name``; ``close`` after the store is closed.
+    """
+
+    def __init__(
+        self, engine: Any, name: str, hold: socket.socket | None
+    ) -> None:
+        self._engine = engine
+        self.name = name
+        self._hold = hold
+
+    @classmethod
+    def open(
+        cls,
+        host: str,
+        metadata_server: str,
+        protocol: str,
+        device_name: str,
+    ) -> ReplicaReader:
+        """Initialize an engine under ``host:port``.
+
+        A ``host`` without a port gets a free one, held here until
+        ``close``; one with a port is used as it is.
+
+        Raises:
+            OSError: no port could be held.
+            RuntimeError: Mooncake's engine is missing or refused to start.
+        """
+        hold: socket.socket | None = None
+        _, sep, port = host.rpartition(":")
+        if sep and port.isdigit():
+            name = host
+        else:
+            hold = _hold_port(host)
+            name = f"{host}:{hold.getsockname()[1]}"
+        try:
+            from mooncake.engine import TransferEngine  # noqa: PLC0415
+
+            engine = TransferEngine()
+            rc = engine.initialize(
+                name, metadata_server, protocol, device_name
+            )
+        except ImportError as exc:
+            _close(hold)
+            msg = f"mooncake.engine is not importable: {exc}"
+            raise RuntimeError(msg) from exc
+        except BaseException:
+            _close(hold)
+            raise
+        if rc != 0:
+            _close(hold)
+            msg = f"TransferEngine.initialize({name!r}, ...) returned {rc}"
+            raise RuntimeError(msg)
+        return cls(engine, name, hold)
+
+    @property
+    def inner(self) -> Any:
+        """The engine object ``MooncakeDistributedStore.setup`` accepts."""
+        return self._engine.get_engine()
+
+    def read(
+        self,
+        reads: Sequence[tuple[Replica, Sequence[tuple[int, int]]]],
+        *,
+        wait_s: float = READ_WAIT_S,
+    ) -> list[bool]:
+        """Read each replica into its pieces (``(ptr, nbytes)``, in order).
+
+        The pieces must be registered memory and add up to the replica's
+        size (the caller checks).  All reads are submitted at once; each
+        is True only when every piece of it completed.  Returns when every
+        piece succeeded or failed (Mooncake releases the GIL), or after
+        ``wait_s`` (the pieces still running count as failed).
+        """
+        ok = [True] * len(reads)
+        pending = self._submit(reads, ok)
+        give_up = time.monotonic() + wait_s
+        while pending:
+            pending = self._poll(pending, ok)
+            if not pending:
+                break
+            if time.monotonic() > give_up:
+                log.warning(
+                    "%d raw replica read(s) still running after %.0f s; "
+                    "counted failed",
+                    len(pending),
+                    wait_s,
+                )
+                for index, _ in pending:
+                    ok[index] = False
+                break
+            time.sleep(_POLL_S)
+        return ok
+
+    def _submit(
+        self,
+        reads: Sequence[tuple[Replica, Sequence[tuple[int, int]]]],
+        ok: list[bool],
+    ) -> list[tuple[int, int]]:
+        """One async read per piece; ``(read, batch)`` of each submitted."""
+        engine = self._engine
+        pending: list[tuple[int, int]] = []
+        for index, (replica, pieces) in enumerate(reads):
+            offset = replica.address
+            for ptr, nbytes in pieces:
+                batch = engine.batch_transfer_async_read(
+                    replica.endpoint, [ptr], [offset], [nbytes]
+                )
+                if not batch:
+                    ok[index] = False
+                    break
+                pending.append((index, batch))
+                offset += nbytes
+        return pending
+
+    def _poll(
+        self, pending: list[tuple[int, int]], ok: list[bool]
+    ) -> list[tuple[int, int]]:
+        """The pieces still running; marks the reads of failed ones."""
+        running = []
+        for index, batch in pending:
+            status = self._engine.transfer_check_status(batch)
+            if status == 0:
+                running.append((index, batch))
+            elif status < 0:  # -1 failed, -2 timed out (slice bound)
+                ok[index] = False
+        return running
+
+    def close(self) -> None:
+        """Release the held port (the engine goes with its last user)."""
+        _close(self._hold)
+        self._hold = None
+
+
+def _close(hold: socket.socket | None) -> None:
+    if hold is not None:
+        hold.close()
+
+
+def _hold_port(host: str) -> socket.socket:
+    """A bound TCP socket on a free port of ``host`` (else any address)."""
+    hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        hold.bind((host, 0))
+    except OSError:
+        hold.close()
+        hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        hold.bind(("", 0))
+    return hold

@@ -45,6 +45,24 @@ def subscriber():
         yield sub
 
 
+@pytest.fixture
+def publishing(extra, harnesses, subscriber):
+    """A harness whose vLLM publishes KV events to `subscriber`."""
+
+    def make(extra_config=None, **kwargs):
+        h = Harness(
+            CONNECTOR,
+            extra_config={**extra, **(extra_config or {})},
+            num_blocks=40,
+            kv_events_config=subscriber.config(),
+            **kwargs,
+        )
+        harnesses.append(h)
+        return h
+
+    return make
+
+
 def of_medium(events, kind, medium):
     return [e for e in events if isinstance(e, kind) and e.medium == medium]
 
@@ -61,16 +79,9 @@ def chain(events):
 
 
 def test_a_saved_prefix_is_published_with_vllms_own_hashes(
-    extra, harnesses, subscriber
+    publishing, subscriber
 ):
-    a = Harness(
-        CONNECTOR,
-        extra_config=extra,
-        num_blocks=40,
-        block_size=BLOCK,
-        kv_events_config=subscriber.config(),
-    )
-    harnesses.append(a)
+    a = publishing(block_size=BLOCK)
     tokens = prompt(5, 4 * BLOCK + 5)  # 4 full blocks, then a partial one
     a.add_request("a", tokens, max_tokens=2)
     run(a)
@@ -134,18 +145,14 @@ def test_store_hits_are_counted_as_host_memory(extra, harnesses):
     assert seen == [{CacheHitSource.HOST: 64}]
 
 
-def test_a_failed_load_is_published_as_removed(extra, harnesses, subscriber):
+def test_a_failed_load_is_published_as_removed(
+    extra, harnesses, publishing, subscriber
+):
     a = Harness(CONNECTOR, extra_config=extra, num_blocks=40)
     harnesses.append(a)
     a.add_request("a", prompt(7, 64), max_tokens=2)
     run(a)
-    b = Harness(
-        CONNECTOR,
-        extra_config=extra,
-        num_blocks=40,
-        kv_events_config=subscriber.config(),
-    )
-    harnesses.append(b)
+    b = publishing()
     fail_every_get(b.worker_connector.worker_side)
     b.add_request("b", [*prompt(7, 64), 9], max_tokens=2)
     run(b)
@@ -168,15 +175,9 @@ def test_a_failed_load_is_published_as_removed(extra, harnesses, subscriber):
 
 
 def test_a_store_reset_is_published_as_all_blocks_cleared(
-    extra, harnesses, subscriber
+    publishing, subscriber
 ):
-    a = Harness(
-        CONNECTOR,
-        extra_config={**extra, "kv_events_medium": "cpu"},
-        num_blocks=40,
-        kv_events_config=subscriber.config(),
-    )
-    harnesses.append(a)
+    a = publishing({"kv_events_medium": "cpu"})
     a.add_request("a", prompt(8, 64), max_tokens=2)
     run(a)
     a.scheduler_connector.store_cleared()
@@ -197,7 +198,7 @@ def test_a_store_reset_is_published_as_all_blocks_cleared(
 
 
 def test_a_cache_reset_is_published_as_all_blocks_cleared(
-    extra, harnesses, subscriber
+    publishing, subscriber
 ):
     """vLLM's ``reset_prefix_cache(reset_connector=True)`` calls the
     connector's ``reset_cache()``: a new weights generation, so nothing
@@ -206,13 +207,7 @@ def test_a_cache_reset_is_published_as_all_blocks_cleared(
     vLLM's block pool publishes its own ``AllBlocksCleared`` for the GPU
     cache in the same batch: the connector's is told apart by spying on
     what `take_events` hands the scheduler."""
-    a = Harness(
-        CONNECTOR,
-        extra_config=extra,
-        num_blocks=40,
-        kv_events_config=subscriber.config(),
-    )
-    harnesses.append(a)
+    a = publishing()
     connector = a.scheduler_connector
     taken = []
     real_take = connector.take_events
@@ -254,18 +249,12 @@ def test_no_events_are_recorded_without_kv_events(extra, harnesses):
 
 
 def test_a_late_subscriber_catches_up_through_the_replay_socket(
-    extra, harnesses, subscriber
+    publishing, subscriber
 ):
     """A router that joins late (or lost batches to ZMQ's slow joiner)
     asks vLLM's replay socket for what it missed: the same batches, in
     the same order, as a subscriber connected from the start."""
-    a = Harness(
-        CONNECTOR,
-        extra_config=extra,
-        num_blocks=40,
-        kv_events_config=subscriber.config(),
-    )
-    harnesses.append(a)
+    a = publishing()
     a.add_request("a", prompt(13, 64), max_tokens=2)
     run(a)
     events = subscriber.wait_for(stored_in)

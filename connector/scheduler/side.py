@@ -265,11 +265,12 @@ class SchedulerSide:
     # -- hooks ----------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
-        """vLLM accepted a request: track it from NEW, before any lookup."""
-        tracker = self.registry.get_or_create(request.request_id)
-        tracker.block_hashes = request.block_hashes
-        tracker.token_ids = getattr(request, "all_token_ids", ())
-        tracker.num_prompt_tokens = request.num_prompt_tokens
+        """vLLM accepted a request: track it from NEW, before any lookup.
+
+        Its fields are written by the ``lookup`` row (`take_request`),
+        which runs before anything reads them.
+        """
+        self.registry.get_or_create(request.request_id)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int

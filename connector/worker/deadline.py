@@ -351,9 +351,10 @@ class LoadStaging:
             packed = rows.to(ops.device, non_blocking=True)
             for piece, offset in zip(self._pieces, self._offsets, strict=True):
                 view = piece.view
+                # A strided view of each row's bytes of this piece (each
+                # row's part is contiguous): `index_copy_` is the one copy.
                 part = (
                     packed[:, offset : offset + piece.nbytes]
-                    .contiguous()
                     .view(view.dtype)
                     .reshape(k, *view.shape[1:])
                 )

@@ -254,6 +254,63 @@ def test_every_staging_buffer_held_by_late_gets_sheds_loads(store_client):
             store_client.unregister(ptr)
 
 
+@pytest.mark.parametrize(
+    "targets",
+    [
+        [3, 4, 5, 6, 9, 10, 11, 12],  # two runs: slice copies
+        [14, 1, 7, 3, 12, 0, 9, 5],  # scattered: one indexed copy
+    ],
+    ids=["runs", "scattered"],
+)
+def test_staged_blocks_land_byte_exact_in_their_targets(
+    store_client, unique, targets
+):
+    """Blocks saved from some ids of one cache are loaded through staging
+    into other ids of another, in order, every byte where it belongs and
+    nothing else touched; both ways of copying in."""
+    from connector.store import Regions  # noqa: PLC0415
+    from connector.worker.transfer import HostOps, block_pieces  # noqa: PLC0415
+
+    source, target = kv_caches(seed=1), kv_caches(seed=2)
+    before = {name: t.clone() for name, t in target.items()}
+    sources = list(range(len(targets)))
+    keys = [f"{unique}-staged-{i}" for i in sources]
+    flat = {name: t.view(NUM_BLOCKS, -1) for name, t in source.items()}
+    rows = torch.cat([flat[n][sources] for n in flat], dim=1).contiguous()
+    ptr, row_bytes = rows.data_ptr(), rows[0].numel() * rows.element_size()
+    store_client.register(ptr, rows.numel() * rows.element_size())
+    registered = [ptr]
+    try:
+        regions = Regions.pieces(
+            [[ptr + i * row_bytes] for i in sources],
+            [[row_bytes]] * len(sources),
+        )
+        assert store_client.put(keys, regions).num_failed == 0
+        staging = LoadStaging(
+            block_pieces(target, NUM_BLOCKS),
+            Regions,
+            HostOps(torch.device("cpu")),
+            slots=16,
+            register=lambda p, n: (
+                registered.append(p) or store_client.register(p, n)
+            ),
+        )
+        try:
+            flags = staging.load(
+                store_client, keys, targets, Deadline.after(10)
+            )
+        finally:
+            staging.close()
+        assert flags == [True] * len(targets)
+        for name, t in target.items():
+            assert torch.equal(t[targets], source[name][sources])
+            others = [b for b in range(NUM_BLOCKS) if b not in targets]
+            assert torch.equal(t[others], before[name][others])
+    finally:
+        for p in registered:
+            store_client.unregister(p)
+
+
 @pytest.mark.vllm
 def test_no_request_waits_for_remote_kv_past_its_deadline(extra, harnesses):
     """vLLM 0.33's scheduler: every get hangs; the request leaves

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 
 log: Final = logging.getLogger(__name__)
 
+RUN_COPY_RATIO: Final = 4
+"""Blocks are copied in by runs of consecutive ids (a slice copy each,
+2-3x faster than an indexed copy on CPU) unless the runs are shorter than
+this on average; then one indexed copy per piece."""
 MAX_BUFFERS: Final = 4
 """Most staging buffers of one load path (late gets each hold one)."""
 
@@ -341,25 +345,45 @@ class LoadStaging:
             return
         ops = self.ops
         k = len(slots)
+        targets = [chunk[i] for i in slots]
+        runs = _runs(targets)
         with ops.side():
-            ids = torch.tensor(
-                [chunk[i] for i in slots], dtype=torch.int64, device=ops.device
-            )
             rows = buffer[: len(chunk)]
             if k < len(chunk):
                 rows = rows[torch.tensor(slots, dtype=torch.int64)]
             packed = rows.to(ops.device, non_blocking=True)
+            ids = None
+            if len(runs) * RUN_COPY_RATIO > k:  # scattered: one gather
+                ids = torch.tensor(
+                    targets, dtype=torch.int64, device=ops.device
+                )
             for piece, offset in zip(self._pieces, self._offsets, strict=True):
                 view = piece.view
                 # A strided view of each row's bytes of this piece (each
-                # row's part is contiguous): `index_copy_` is the one copy.
+                # row's part is contiguous): one copy, no intermediate.
                 part = (
                     packed[:, offset : offset + piece.nbytes]
                     .view(view.dtype)
                     .reshape(k, *view.shape[1:])
                 )
-                view.index_copy_(0, ids, part)
+                if ids is not None:
+                    view.index_copy_(0, ids, part)
+                    continue
+                for target, row, n in runs:  # consecutive blocks: a slice
+                    view[target : target + n].copy_(part[row : row + n])
             ops.sync()
+
+
+def _runs(targets: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first target, first row, length) of each run of consecutive ids."""
+    runs: list[tuple[int, int, int]] = []
+    for row, target in enumerate(targets):
+        if runs and runs[-1][0] + runs[-1][2] == target:
+            first, start, n = runs[-1]
+            runs[-1] = (first, start, n + 1)
+        else:
+            runs.append((target, row, 1))
+    return runs
 
 
 def _slot_pieces(

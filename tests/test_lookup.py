@@ -387,12 +387,10 @@ def test_a_reset_drops_lookups_and_asks_the_new_generation(clock):
     assert old.calls[len(old_calls) :] in ([], [1])
 
 
-@pytest.mark.parametrize("reset", [False, True])
-def test_a_reset_stops_saves_of_admitted_requests(clock, reset):
-    """A request admitted before the reset saves no block computed after
-    it (its earlier KV came from the old weights); control: without the
-    reset it saves its prompt."""
-    side, lookup = make(clock)
+def admit_and_schedule(clock, **kwargs):
+    """A request with no stored prefix, admitted and scheduled for its
+    5-block prompt; returns (side, request, the step to build)."""
+    side, lookup = make(clock, **kwargs)
     lookup.stored = 0
     req = Req("run")
 
@@ -411,11 +409,20 @@ def test_a_reset_stops_saves_of_admitted_requests(clock, reset):
     side.lookups.run_pending()
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     side.update_state_after_alloc(req, Blocks(), 0)
-    if reset:
-        side.reset_generation("g1", FakeLookup(stored=0))
     step = Step()
     step.scheduled_new_reqs = (New(),)
     step.num_scheduled_tokens = {"run": req.num_prompt_tokens}
+    return side, req, step
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_reset_stops_saves_of_admitted_requests(clock, reset):
+    """A request admitted before the reset saves no block computed after
+    it (its earlier KV came from the old weights); control: without the
+    reset it saves its prompt."""
+    side, _, step = admit_and_schedule(clock)
+    if reset:
+        side.reset_generation("g1", FakeLookup(stored=0))
     saves = side.build_connector_meta(step).jobs
     assert [len(j.block_ids) for j in saves] == ([] if reset else [4])
 
@@ -426,27 +433,7 @@ def test_a_reset_stops_decode_saves_too(clock, reset):
     no generated block after it either (its KV came from the old
     weights, and would be keyed under the new generation); control:
     without the reset the block its answer filled is saved."""
-    side, lookup = make(clock, save_decode=True)
-    lookup.stored = 0
-    req = Req("run")
-
-    class Blocks:
-        @staticmethod
-        def get_block_ids():
-            return ([1, 2, 3, 4, 5],)
-
-    class New:
-        req_id = "run"
-        block_ids = ([1, 2, 3, 4, 5],)
-        num_computed_tokens = 0
-
-    side.get_num_new_matched_tokens(req, 0)
-    side.build_connector_meta(Step())
-    side.lookups.run_pending()
-    side.update_state_after_alloc(req, Blocks(), 0)
-    step = Step()
-    step.scheduled_new_reqs = (New(),)
-    step.num_scheduled_tokens = {"run": req.num_prompt_tokens}
+    side, req, step = admit_and_schedule(clock, save_decode=True)
     prompt = side.build_connector_meta(step).jobs
     assert [len(j.block_ids) for j in prompt] == [4]
     if reset:

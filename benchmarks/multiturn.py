@@ -32,25 +32,16 @@ import sys
 import uuid
 from typing import Any
 
+from benchmarks.counting import CountingStore
+
 CONNECTOR = "connector.MooncakeLifecycleConnector"
 BLOCK = 16
 
 
-class _CountingStore:
-    """A worker's store, counting what its puts offer."""
+class _CountingStore(CountingStore):
+    """`CountingStore` that also carries the instance's local hits."""
 
-    def __init__(self, real: Any, object_bytes: int) -> None:
-        self.real = real
-        self.object_bytes = object_bytes
-        self.bytes_put = 0
-        self.local_hits: dict[str, int] = {}
-
-    def put(self, keys: Any, regions: Any) -> Any:
-        self.bytes_put += len(keys) * self.object_bytes
-        return self.real.put(keys, regions)
-
-    def get(self, keys: Any, regions: Any) -> Any:
-        return self.real.get(keys, regions)
+    local_hits: dict[str, int]
 
 
 def _instance(

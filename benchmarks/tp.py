@@ -28,26 +28,10 @@ from typing import Any
 
 import attrs
 
+from benchmarks.counting import CountingStore
+
 CONNECTOR = "connector.MooncakeLifecycleConnector"
 LENGTH = 128
-
-
-class _Counting:
-    """A rank's store, counting the bytes its puts offer."""
-
-    def __init__(self, real: Any, object_bytes: int) -> None:
-        self.real = real
-        self.object_bytes = object_bytes
-        self.bytes_put = 0
-        self.keys_put = 0
-
-    def put(self, keys: Any, regions: Any) -> Any:
-        self.keys_put += len(keys)
-        self.bytes_put += len(keys) * self.object_bytes
-        return self.real.put(keys, regions)
-
-    def get(self, keys: Any, regions: Any) -> Any:
-        return self.real.get(keys, regions)
 
 
 def _harness(extra: dict[str, Any], tp: int, heads: int) -> Any:
@@ -90,7 +74,7 @@ def bytes_per_block(master: Any, prompts: int, *, every_rank: bool) -> float:
             lane = worker.lanes[0]
             if every_rank:
                 worker.lanes = (attrs.evolve(lane, writes=True),)
-            counter = _Counting(worker._store, lane.block_bytes)  # noqa: SLF001
+            counter = CountingStore(worker._store, lane.block_bytes)  # noqa: SLF001
             worker._store = counter  # noqa: SLF001
             counters.append(counter)
         for i in range(prompts):

@@ -364,3 +364,240 @@ def test_no_request_waits_for_remote_kv_past_its_deadline(extra, harnesses):
     run(b)  # steps after the late get ended: the KV check still holds
     assert worker.loads_expired + worker.jobs_failed[LOAD] >= 1
     assert_clean(b)
+
+
+@pytest.fixture(scope="module")
+def own_and_reader(master_binary):
+    """A client holding every replica (the only segment) and a reader
+    with no segment, on a master of their own: ``(owner, reader)``."""
+    import attrs  # noqa: PLC0415
+
+    from connector.ops.master import store_config_for  # noqa: PLC0415
+    from connector.store import StoreClient  # noqa: PLC0415
+    from tests.conftest import MasterPool  # noqa: PLC0415
+
+    del master_binary  # the wheel's master is there
+    pool = MasterPool()
+    try:
+        master = pool.start(lease_ttl_ms=500, client_ttl_s=60)
+        config = store_config_for(master, global_segment_size=16 * 1024 * 1024)
+        with (
+            StoreClient.open(config, check_regions=True) as owner,
+            StoreClient.open(
+                attrs.evolve(config, global_segment_size=0),
+                check_regions=True,
+            ) as reader,
+        ):
+            yield owner, reader
+    finally:
+        pool.stop_all()
+
+
+def _direct(client, kv):
+    """A host transfer with deadlines over `client` (loads staged)."""
+    from connector.store import Regions  # noqa: PLC0415
+    from connector.worker.transfer import open_transfer  # noqa: PLC0415
+
+    transfer = open_transfer(
+        kv, NUM_BLOCKS, Regions, register=client.register, deadlines=True
+    )
+    assert transfer.loads is not None
+    return transfer
+
+
+class _CountStaged:
+    """Counts the keys `LoadStaging.load` is asked for (the spy)."""
+
+    def __init__(self, staging):
+        self.staging = staging
+        self.keys: list[str] = []
+
+    def load(self, store, keys, block_ids, deadline=None):
+        self.keys += list(keys)
+        return self.staging.load(store, keys, block_ids, deadline)
+
+    def __getattr__(self, name):
+        return getattr(self.staging, name)
+
+
+class _Says:
+    """The real store, with `local_reads` answered by the test."""
+
+    def __init__(self, store, local):
+        self.store, self.local = store, local
+
+    def local_reads(self, keys):
+        return [self.local[k] for k in keys]
+
+    def get(self, keys, regions):
+        return self.store.get(keys, regions)
+
+
+def test_local_reads_tell_this_segment_from_the_others(own_and_reader, unique):
+    """Keys put into the owner's segment read locally there, remotely
+    for the reader; a missing key reads locally nowhere."""
+    from connector.worker.sick import SickPeerStore  # noqa: PLC0415
+
+    owner, reader = own_and_reader
+    keys = [f"{unique}-local-{i}" for i in range(4)]
+    kv = kv_caches(seed=3)
+    source = _direct(owner, kv)
+    try:
+        fence = source.fence()
+        assert source.save(owner, keys[:4], range(4), fence) == [True] * 4
+        assert owner.local_reads(keys[:4]) == [True] * 4
+        assert reader.local_reads(keys[:4]) == [False] * 4
+        assert owner.local_reads([f"{keys[0]}-missing"]) == [False]
+        assert SickPeerStore(owner, hold_s=1).local_reads(keys[:2]) == [
+            True,
+            True,
+        ]
+    finally:
+        source.loads.close()
+        for ptr in source.registered:
+            owner.unregister(ptr)
+
+
+@pytest.mark.parametrize("who", ["owner", "reader", "mixed"])
+def test_only_loads_read_from_this_segment_skip_staging(
+    own_and_reader, unique, who
+):
+    """Keys a get reads from this process's own segment are loaded
+    zero copy (a memcpy, over when the get returns); every other key
+    still lands in staging first.  Every byte lands where it belongs."""
+    owner, reader = own_and_reader
+    keys = [f"{unique}-local-{i}" for i in range(6)]
+    source_kv, target_kv = kv_caches(seed=3), kv_caches(seed=4)
+    source = _direct(owner, source_kv)
+    client = reader if who == "reader" else owner
+    target = _direct(client, target_kv)
+    spy = _CountStaged(target.loads)
+    target.loads = spy
+    before = {n: t.clone() for n, t in target_kv.items()}
+    ids, into = list(range(6)), [9, 10, 11, 3, 4, 14]
+    try:
+        assert source.save(owner, keys[:6], ids, source.fence()) == [True] * 6
+        store = client
+        if who == "mixed":  # keys 1 and 4 as if another segment held them
+            local = {k: i not in (1, 4) for i, k in enumerate(keys)}
+            store = _Says(owner, local)
+        flags = target.load(store, keys[:6], into, Deadline.after(10))
+        assert flags == [True] * 6
+        staged = {
+            "owner": [],
+            "reader": keys[:6],
+            "mixed": [keys[1], keys[4]],
+        }[who]
+        assert spy.keys == staged
+        for name, t in target_kv.items():
+            assert torch.equal(t[into], source_kv[name][ids])
+            others = [b for b in range(NUM_BLOCKS) if b not in into]
+            assert torch.equal(t[others], before[name][others])
+    finally:
+        for transfer, c in ((source, owner), (target, client)):
+            transfer.loads.close()
+            for ptr in transfer.registered:
+                c.unregister(ptr)
+
+
+def test_a_local_load_the_watchdog_took_is_never_written(
+    own_and_reader, unique
+):
+    """A load whose deadline the watchdog expired writes nothing, even
+    for keys a local get would have copied in at once."""
+    owner, _ = own_and_reader
+    keys = [f"{unique}-local-{i}" for i in range(3)]
+    source_kv, target_kv = kv_caches(seed=3), kv_caches(seed=4)
+    source = _direct(owner, source_kv)
+    target = _direct(owner, target_kv)
+    before = {n: t.clone() for n, t in target_kv.items()}
+    try:
+        assert (
+            source.save(owner, keys[:3], [0, 1, 2], source.fence())
+            == [True] * 3
+        )
+        deadline = Deadline.after(10)
+        assert deadline.expire()
+        assert target.load(owner, keys[:3], [5, 6, 7], deadline) == [False] * 3
+        for name, t in target_kv.items():
+            assert torch.equal(t, before[name])
+    finally:
+        for transfer in (source, target):
+            transfer.loads.close()
+            for ptr in transfer.registered:
+                owner.unregister(ptr)
+
+
+def test_a_key_with_a_replica_elsewhere_never_reads_as_local(
+    start_master, unique
+):
+    """With two replicas (this segment and another), a get may read
+    either: the key is not local for anyone, so its load is staged."""
+    from connector.ops.master import store_config_for  # noqa: PLC0415
+    from connector.store import StoreClient  # noqa: PLC0415
+
+    master = start_master(lease_ttl_ms=500, client_ttl_s=60)
+    config = store_config_for(
+        master, global_segment_size=16 * 1024 * 1024, replica_num=2
+    )
+    keys = [f"{unique}-twice-{i}" for i in range(3)]
+    kv = kv_caches(seed=5)
+    with (
+        StoreClient.open(config, check_regions=True) as owner,
+        StoreClient.open(config, check_regions=True) as holder,
+    ):
+        source = _direct(owner, kv)
+        try:
+            assert (
+                source.save(owner, keys, [0, 1, 2], source.fence())
+                == [True] * 3
+            )
+            where = owner.replica_endpoints(keys)
+            assert all(
+                set(w) == {owner.hostname, holder.hostname} for w in where
+            ), where
+            assert owner.local_reads(keys) == [False] * 3
+            assert holder.local_reads(keys) == [False] * 3
+        finally:
+            source.loads.close()
+            for ptr in source.registered:
+                owner.unregister(ptr)
+
+
+class _Desc:
+    """A ``ReplicaDescriptor`` double (status, kind, endpoint)."""
+
+    def __init__(self, status, endpoint, *, memory=True):
+        self.status = type("S", (), {"name": status})()
+        self._memory = memory
+        self._endpoint = endpoint
+
+    def is_memory_replica(self):
+        return self._memory
+
+    def get_memory_descriptor(self):
+        buffer = type("B", (), {"transport_endpoint": self._endpoint})()
+        return type("M", (), {"buffer_descriptor": buffer})()
+
+
+@pytest.mark.parametrize(
+    ("replicas", "local"),
+    [
+        ([_Desc("COMPLETE", "me")], True),
+        ([_Desc("COMPLETE", "me"), _Desc("PROCESSING", "peer")], True),
+        ([_Desc("COMPLETE", "me"), _Desc("COMPLETE", "peer")], False),
+        ([_Desc("COMPLETE", "peer"), _Desc("COMPLETE", "me")], False),
+        (
+            [_Desc("COMPLETE", "me"), _Desc("COMPLETE", "me", memory=False)],
+            False,
+        ),
+        ([_Desc("PROCESSING", "me")], False),
+        ([], False),
+    ],
+)
+def test_only_in_asks_every_complete_replica(replicas, local):
+    """Local only when every complete replica is in memory, here."""
+    from connector.store.engine import only_in  # noqa: PLC0415
+
+    assert only_in(replicas, "me") is local
+    assert only_in(replicas, "") is False

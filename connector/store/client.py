@@ -70,6 +70,7 @@ from connector.store.engine import (
     Replica,
     ReplicaReader,
     memory_replicas,
+    only_in,
     other_replica,
     read_from,
 )
@@ -416,6 +417,37 @@ class StoreClient:
         return [
             tuple(r.endpoint for r in found) for found in self.replicas(keys)
         ]
+
+    def local_reads(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, whether a get reads it from this client's own segment.
+
+        True only when every complete replica of the key is a memory
+        replica in this client's segment, so whichever one a get picks,
+        it is a memcpy inside this process, over when the get returns: no
+        peer's transport can write into its region later.  One master
+        call (``batch_get_replica_desc``); it grants each stored key a
+        read lease, so the replica is still there for the get that
+        follows.  False for every key on any error.
+        """
+        keys = list(keys)
+        if not keys:
+            return []
+        self._enter("local_reads")
+        try:
+            ask = getattr(self._store, "batch_get_replica_desc", None)
+            if ask is None or not self.breaker.allow():
+                return [False] * len(keys)
+            try:
+                found = ask(keys)
+                local = self._store.get_hostname()
+            except RuntimeError:
+                self.breaker.release()
+                log.warning("batch_get_replica_desc failed", exc_info=True)
+                return [False] * len(keys)
+            self.breaker.record(outage=False)
+            return [only_in(found.get(k, ()), local) for k in keys]
+        finally:
+            self._exit()
 
     def replicas(self, keys: Sequence[str]) -> list[tuple[Replica, ...]]:
         """Per key, its complete memory replicas, in the master's order.

@@ -81,6 +81,29 @@ def memory_replicas(descriptors: Iterable[Any]) -> tuple[Replica, ...]:
     return tuple(found)
 
 
+def only_in(descriptors: Iterable[Any], local: str) -> bool:
+    """Whether every complete replica is a memory replica in ``local``.
+
+    Among ``ReplicaDescriptor`` objects; False when none is complete or
+    any complete one is unreadable, elsewhere, or not in memory.  Then a
+    get reads the key from ``local`` whichever complete replica it picks.
+    """
+    complete = 0
+    try:
+        for replica in descriptors:
+            if replica.status.name != "COMPLETE":
+                continue
+            complete += 1
+            if not replica.is_memory_replica():
+                return False
+            buffer = replica.get_memory_descriptor().buffer_descriptor
+            if str(buffer.transport_endpoint) != local:
+                return False
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return False
+    return bool(local) and complete > 0
+
+
 def read_from(replicas: Sequence[Replica], local: str) -> str:
     """The endpoint a store get reads (``""`` when there is none).
 

@@ -20,7 +20,9 @@ Runner threads are daemons, one per get in flight: a get that never
 returns costs one parked thread and one buffer, never the loading thread.
 
 Without a deadline a load runs inline on the calling thread (no hop).
-No vLLM import.
+Keys the store reads from this process's own segment skip staging
+(`connector.worker.transfer.Direct.load`): that get is a memcpy over when
+it returns.  No vLLM import.
 """
 
 from __future__ import annotations

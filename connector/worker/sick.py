@@ -72,6 +72,11 @@ class SickPeerStore:
         """The store's put."""
         return self._store.put(keys, regions)
 
+    def local_reads(self, keys: Sequence[str]) -> list[bool]:
+        """The store's ``local_reads`` (all False if it has none)."""
+        ask = getattr(self._store, "local_reads", None)
+        return list(ask(keys)) if ask is not None else [False] * len(keys)
+
     def get(self, keys: Sequence[str], regions: Any) -> Any:
         """The store's get, minus the keys read from a sick peer.
 

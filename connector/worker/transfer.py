@@ -318,11 +318,59 @@ class Direct:
         block_ids: Sequence[int],
         deadline: Deadline | None = None,
     ) -> list[bool]:
-        """Get the blocks into the KV tensors (through `loads` if set)."""
-        if self.loads is not None:
+        """Get the blocks into the KV tensors (through `loads` if set).
+
+        With `loads`, the keys a get reads from this process's own
+        segment (`local_reads`) are still got straight into the KV
+        tensors: such a get is a memcpy done when it returns, and no
+        peer's transport can write into the blocks after.  The load is
+        claimed first (a load the watchdog took is not written); the
+        other keys go through `loads`.
+        """
+        if self.loads is None:
+            return self._get(store, keys, block_ids)
+        local = local_reads(store, keys)
+        if not any(local):
             return self.loads.load(store, keys, block_ids, deadline)
+        if deadline is not None and not deadline.claim():
+            return [False] * len(keys)
+        if all(local):
+            return self._get(store, keys, block_ids)
+        flags = [False] * len(keys)
+        near = [i for i, ok in enumerate(local) if ok]
+        far = [i for i, ok in enumerate(local) if not ok]
+        got_near = self._get(store, *_pick(keys, block_ids, near))
+        got_far = self.loads.load(
+            store, *_pick(keys, block_ids, far), deadline
+        )
+        for where, got in ((near, got_near), (far, got_far)):
+            for i, ok in zip(where, got, strict=True):
+                flags[i] = ok
+        return flags
+
+    def _get(
+        self, store: BlockStore, keys: Sequence[str], block_ids: Sequence[int]
+    ) -> list[bool]:
         regions = self._regions.pieces(*self.layout.pieces(block_ids))
         return store.get(keys, regions).succeeded
+
+
+def local_reads(store: BlockStore, keys: Sequence[str]) -> list[bool]:
+    """Per key, whether `store`'s get reads it from its own segment.
+
+    False for every key when the store cannot tell (no ``local_reads``).
+    """
+    ask = getattr(store, "local_reads", None)
+    if ask is None:
+        return [False] * len(keys)
+    found = ask(keys)
+    return list(found) if len(found) == len(keys) else [False] * len(keys)
+
+
+def _pick(
+    keys: Sequence[str], block_ids: Sequence[int], where: list[int]
+) -> tuple[list[str], list[int]]:
+    return [keys[i] for i in where], [block_ids[i] for i in where]
 
 
 class DeviceOps(Protocol):

@@ -231,6 +231,10 @@ class SchedulerSide:
         self._open = self.jobs = JobTable(world_size)
         self._step = 0
         self._loads_to_issue: list[RequestTracker] = []
+        # An index, not state: the trackers scheduled since they last had
+        # nothing left to save (prompt-only saves), so a steady decode
+        # step visits only them, not every running request.
+        self._saving: dict[str, RequestTracker] = {}
         self.unexpected_reports = 0
         self.state_offers = StateOffers(self.groups, saves=role.saves)
         #: The weights generation of the jobs issued now (None: the
@@ -339,7 +343,16 @@ class SchedulerSide:
             self._set_tables(tracker, new.block_ids)
             done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._maybe_save(tracker, done, jobs)
-        self._cached_reqs(so.scheduled_cached_reqs, scheduled, jobs)
+            if (
+                tracker.num_saved_tokens + self.block_size
+                <= tracker.num_prompt_tokens
+            ):
+                self._saving[new.req_id] = tracker  # a save is left
+        cached = so.scheduled_cached_reqs
+        if self.save_decode:
+            self._cached_reqs(cached, scheduled, jobs)
+        elif self._saving or cached.resumed_req_ids:
+            self._saving_reqs(cached, scheduled, jobs)
         self.state_offers.end_step()
         return ConnectorMeta(
             step=self._step,
@@ -398,6 +411,71 @@ class SchedulerSide:
                 continue  # prompt saved: `_maybe_save` would no-op
             done = computed + scheduled.get(req_id, 0)
             self._maybe_save(tracker, done, jobs)
+
+    def _saving_reqs(
+        self, cached: Any, scheduled: Any, jobs: list[TransferJob]
+    ) -> None:
+        """`_cached_reqs` for prompt-only saves, visiting fewer requests.
+
+        Only resumed requests and those with a save left (`_saving`) are
+        visited.  A request whose prompt is saved, or whose generation is
+        not ours, has nothing left to issue until a resume replaces its
+        table (or vLLM sends it as new): it leaves the index, as does an
+        ended request (no longer, or no longer the same, tracker).
+        """
+        saving = self._saving
+        for req_id in cached.resumed_req_ids:
+            tracker = self.registry.get(req_id)
+            if tracker is not None:
+                saving[req_id] = tracker
+        if not saving:
+            return
+        ids = cached.req_ids
+        where = dict(zip(ids, range(len(ids)), strict=True))
+        get = self.registry.get
+        for req_id, tracker in list(saving.items()):
+            if get(req_id) is not tracker or not self._visit(
+                tracker, where.get(req_id), cached, scheduled, jobs
+            ):
+                del saving[req_id]
+
+    def _visit(
+        self,
+        tracker: RequestTracker,
+        at: int | None,
+        cached: Any,
+        scheduled: Any,
+        jobs: list[TransferJob],
+    ) -> bool:
+        """Update one `_saving` request's table, then issue its save.
+
+        `at` is its place in `cached` (None: not scheduled this step).
+        False: nothing is left to save.
+        """
+        if at is not None:
+            new_ids = cached.new_block_ids[at]
+            if tracker.req_id in cached.resumed_req_ids:
+                # A resume replaces the block table (vLLM #46595).
+                self.registry.fire_on(tracker, Event.RESUME)
+                self._set_tables(tracker, new_ids or ())
+            elif new_ids:
+                tracker.block_ids.extend(new_ids[0])
+                for table, more in zip(
+                    tracker.group_block_ids, new_ids[1:], strict=False
+                ):
+                    table.extend(more)
+        if (
+            tracker.num_saved_tokens + self.block_size
+            > tracker.num_prompt_tokens
+            or tracker.generation != self.generation
+        ):
+            return False
+        if at is not None:
+            done = cached.num_computed_tokens[at]
+            self._maybe_save(
+                tracker, done + scheduled.get(tracker.req_id, 0), jobs
+            )
+        return True
 
     def request_finished(
         self, request: Any, block_ids: list[int]

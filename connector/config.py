@@ -657,8 +657,10 @@ class LoadConfig:
             "Seconds a load may take, from when the worker takes it; past "
             "it the load is reported failed, vLLM recomputes its blocks, "
             "and a transfer still running can never write into the KV "
-            "cache (loads land in staging memory first).  ``0`` turns the "
-            "bound off (host KV caches then load zero-copy, unbounded).",
+            "cache (keys read from other instances' segments land in "
+            "staging memory first; keys held only in this instance's own "
+            "segment are read zero-copy).  ``0`` turns the bound off (host "
+            "KV caches then load zero-copy, unbounded).",
             coerce_seconds_or_off,
         ),
     )

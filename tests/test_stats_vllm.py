@@ -170,7 +170,10 @@ def test_stats_flow_through_the_real_scheduler_and_vllm_loggers(
     transitions = sum(sum(d["transitions"].values()) for d in payloads)
     assert f"Lifecycle transitions={transitions}," in line
     assert "Illegal unknown/finish=1" in line
-    assert "Store get ops=1" in line
+    # One get, or two when the prefix's blocks were placed partly in
+    # b's own segment (read zero-copy) and partly in a's (staged).
+    assert store["get"]["ops"] in {1, 2}
+    assert f"Store get ops={store['get']['ops']}" in line
 
     check_prometheus(b, payloads)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -224,7 +224,7 @@ def group_lane(
     Head-sharded: one transfer per head shard the rank holds, `keys`
     shard-major (`connector.parallel.ShardKeys`).  Per rank: one transfer
     and the rank's scheme.  A replica rank's lane does not write.  With
-    `deadlines`, loads land in staging memory first (`open_transfer`).
+    `deadlines`, remote loads land in staging memory first (`open_transfer`).
 
     Raises:
         ConfigError: (``store_tp_size``) the KV blocks are not head-major.

@@ -661,9 +661,11 @@ def open_transfer(
     Mooncake wheel cannot register device memory); host caches are
     registered and moved zero-copy unless `staging_blocks` asks for
     staging (tests use it to run the staging code on CPU).  With
-    `deadlines`, host caches keep zero-copy saves but load through
-    staging (`connector.worker.deadline`): a load given up at its
-    deadline never writes into the KV cache.
+    `deadlines`, host caches keep zero-copy saves but load keys read
+    from other segments through staging (`connector.worker.deadline`;
+    keys held only in this process's segment stay zero-copy,
+    `Direct.load`): a load given up at its deadline never writes into
+    the KV cache.
 
     Raises:
         ValueError: the KV tensors fit no known layout.

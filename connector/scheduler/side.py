@@ -367,17 +367,13 @@ class SchedulerSide:
     ) -> None:
         """Block table updates, resumes and saves of running requests.
 
-        The hot loop of a steady decode: one dict lookup and a few slot
-        reads per request whose prompt is saved.
+        With decode saves (`save_decode_cache`): every running request
+        may have a save to issue, so each is visited (one dict lookup and
+        a few slot reads).  A request looked up before a cache reset (its
+        generation is not ours) saves nothing more.
         """
         resumed = cached.resumed_req_ids
-        bs, generation = self.block_size, self.generation
-        # Nothing left to save, inlined (every running request, every
-        # step): the prompt is saved and decode blocks are not, or a cache
-        # reset came since the request's lookup (its generation is not
-        # ours).
-        prompt_only = not self.save_decode
-        get = self.registry.get
+        generation, get = self.generation, self.registry.get
         for req_id, new_ids, computed in zip(
             cached.req_ids,
             cached.new_block_ids,
@@ -387,30 +383,29 @@ class SchedulerSide:
             tracker = get(req_id)
             if tracker is None:
                 continue
-            if resumed and req_id in resumed:
-                # A resume replaces the block table (vLLM #46595).
-                self.registry.fire_on(tracker, Event.RESUME)
-                self._set_tables(tracker, new_ids or ())
-            elif (
-                prompt_only
-                and tracker.num_saved_tokens + bs > tracker.num_prompt_tokens
-            ) or tracker.generation != generation:
-                # Prompt saved (decode): no save is left to issue, so the
-                # table is not needed until a resume replaces it.
-                continue
-            elif new_ids:
-                tracker.block_ids.extend(new_ids[0])
-                for table, ids in zip(
-                    tracker.group_block_ids, new_ids[1:], strict=False
-                ):
-                    table.extend(ids)
-            if (
-                prompt_only
-                and tracker.num_saved_tokens + bs > tracker.num_prompt_tokens
-            ) or tracker.generation != generation:
-                continue  # prompt saved: `_maybe_save` would no-op
-            done = computed + scheduled.get(req_id, 0)
-            self._maybe_save(tracker, done, jobs)
+            if new_ids or (resumed and req_id in resumed):
+                self._new_blocks(tracker, new_ids, resumed)
+            if tracker.generation == generation:
+                done = computed + scheduled.get(req_id, 0)
+                self._maybe_save(tracker, done, jobs)
+
+    def _new_blocks(
+        self, tracker: RequestTracker, new_ids: Any, resumed: Any
+    ) -> None:
+        """Append a scheduled request's new blocks to its tables.
+
+        A resume (`tracker.req_id` in `resumed`) replaces the tables
+        instead (vLLM #46595).
+        """
+        if tracker.req_id in resumed:
+            self.registry.fire_on(tracker, Event.RESUME)
+            self._set_tables(tracker, new_ids or ())
+        elif new_ids:
+            tracker.block_ids.extend(new_ids[0])
+            for table, ids in zip(
+                tracker.group_block_ids, new_ids[1:], strict=False
+            ):
+                table.extend(ids)
 
     def _saving_reqs(
         self, cached: Any, scheduled: Any, jobs: list[TransferJob]
@@ -454,16 +449,7 @@ class SchedulerSide:
         """
         if at is not None:
             new_ids = cached.new_block_ids[at]
-            if tracker.req_id in cached.resumed_req_ids:
-                # A resume replaces the block table (vLLM #46595).
-                self.registry.fire_on(tracker, Event.RESUME)
-                self._set_tables(tracker, new_ids or ())
-            elif new_ids:
-                tracker.block_ids.extend(new_ids[0])
-                for table, more in zip(
-                    tracker.group_block_ids, new_ids[1:], strict=False
-                ):
-                    table.extend(more)
+            self._new_blocks(tracker, new_ids, cached.resumed_req_ids)
         if (
             tracker.num_saved_tokens + self.block_size
             > tracker.num_prompt_tokens

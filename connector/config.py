@@ -708,13 +708,6 @@ class LoadConfig:
         return _read_keys(cls, extra)
 
 
-def _coerce_bool(key: str, value: object) -> bool:
-    """A JSON boolean (``true``/``false``); no truthy strings."""
-    if not isinstance(value, bool):
-        raise ConfigError(key, value, "expected true or false")
-    return value
-
-
 def _coerce_store_tp(key: str, value: object) -> int | None:
     """A positive int, or null (no shared layout)."""
     if value is None:
@@ -766,7 +759,7 @@ class ParallelKVConfig:
         metadata=key_help(
             "Take ``store_tp_size`` as the least common multiple of "
             "``prefill_tp_sizes`` (overrides ``store_tp_size``).",
-            _coerce_bool,
+            coerce_bool,
         ),
     )
     prefill_tp_sizes: tuple[int, ...] = attrs.field(
@@ -786,7 +779,7 @@ class ParallelKVConfig:
             "block fills, so a conversation's next turn (prompt, answer, "
             "new message) hits the answer's blocks. Off: only prompt "
             "blocks are saved.",
-            _coerce_bool,
+            coerce_bool,
         ),
     )
 

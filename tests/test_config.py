@@ -535,6 +535,14 @@ def test_parallel_kv_keys_read_and_checked():
         with pytest.raises(ConfigError) as err:
             ParallelKVConfig.from_extra_config(extra)
         assert err.value.key == key
+    # Booleans read like every other boolean key: JSON or "true"/"false".
+    spelled = ParallelKVConfig.from_extra_config(
+        {"save_decode_cache": "True", "enable_store_tp_lcm": "false"}
+    )
+    assert (spelled.save_decode_cache, spelled.enable_store_tp_lcm) == (
+        True,
+        False,
+    )
 
 
 def test_tenant_and_ssd_keys_are_read_and_validated():

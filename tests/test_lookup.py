@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from connector.scheduler.admission import Ask, LookupEvent, LookupState
+from connector.scheduler.admission import LookupEvent, LookupState
 from connector.scheduler.lookup import CHUNK, AsyncLookups, leading_hits
 from connector.scheduler.requests import REQUESTS
 from connector.scheduler.side import Role, SchedulerSide
@@ -151,8 +151,7 @@ def test_a_lookup_from_before_a_preemption_is_stale(clock):
     side.registry.fire_on(tracker, Event.ALLOC_LOCAL)  # running
     # A lookup of epoch 0 in flight (vLLM asked while it waited).
     lookup = side._new_lookup(tracker)
-    side._fire_lookup(lookup, LookupEvent.ASK, data=Ask((0, 1), 0.0))
-    side.lookups.start("a", lookup, lookup.epoch, [b"x" * 8])
+    side._send(lookup, LookupEvent.ASK, (0, 1), [b"x" * 8])
     side.build_connector_meta(Step(preempted=["a"]))  # epoch 1, RESET
     assert tracker.state is State.RESET
     side.lookups.run_pending()

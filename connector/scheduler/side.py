@@ -52,7 +52,7 @@ from connector.groups import KVGroups
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from connector.scheduler.admission import (
     LOOKUPS,
-    Ask,
+    Known,
     LookupEvent,
     LookupState,
     LookupTracker,
@@ -137,7 +137,9 @@ class SchedulerSide:
             `hit_blocks_many` to answer a step's lookups in one call).
             Only the lookup thread calls it.
         world_size: Ranks that must report a job before it is settled.
-        machine: The lifecycle machine (strict in tests).
+        machine: The lifecycle machine (strict in tests).  The default
+            takes no lock: every event of the half comes from vLLM's
+            scheduler thread.
         lookup_timeout_s: Longest a request is held back for its lookup.
         max_pending: Most requests held back for lookups at once.
         threaded_lookups: Run lookups on a thread (False: only when
@@ -179,7 +181,10 @@ class SchedulerSide:
         self.save_decode = save_decode
         self.world_size = world_size
         self.groups = groups or KVGroups.single(block_size)
-        self.machine: KVMachine = machine or LifecycleMachine(REQUESTS)
+        # The lookup thread only fills in its messages' answers.
+        self.machine: KVMachine = machine or LifecycleMachine(
+            REQUESTS, thread_safe=False
+        )
         lookup_row = self.machine.table.get(State.NEW, Event.LOOKUP)
         if lookup_row is None or not lookup_row.after:
             msg = (
@@ -204,7 +209,6 @@ class SchedulerSide:
             timeout_s=lookup_timeout_s,
             threaded=threaded_lookups,
             clock=clock,
-            on_send=self._sent,
         )
         # A scheduler half dropped without `close()` stops its thread.
         weakref.finalize(self, self.lookups.close, 0.0)
@@ -215,7 +219,11 @@ class SchedulerSide:
         ] = LifecycleMachine(
             LOOKUPS, strict=self.machine.strict, thread_safe=False
         )
-        self.lookup_registry = Registry(self.lookup_machine, LookupTracker)
+        # A late answer reaches its lookup through the message's tracker,
+        # never by request id: a reused id's lookup needs no epoch floor.
+        self.lookup_registry = Registry(
+            self.lookup_machine, LookupTracker, continue_epochs=False
+        )
         self._busy = 0  # lookups asked and not yet answered or dropped
         # Answered requests whose answer is short, oldest first: the
         # order refreshes are due in.  Each entry is checked against its
@@ -530,7 +538,7 @@ class SchedulerSide:
                 if lookup.state is LookupState.DROPPED:  # refused: a miss
                     return 0
                 if lookup.state not in _ANSWERED:
-                    return found  # None while asked or in flight
+                    return found  # None while in flight
             self._refresh(lookup)
             return lookup.hit_tokens
         return self._ask(tracker, lookup, key, local)
@@ -549,14 +557,33 @@ class SchedulerSide:
         key: tuple[int, int],
         tokens: int,
     ) -> LookupTracker:
-        """An answer known without asking the store: cache it."""
+        """An answer known without asking: cache it."""
         if lookup is None:
             lookup = self._new_lookup(tracker)
         self._fire_lookup(
-            lookup, LookupEvent.ASK, data=Ask(key, self.lookups.clock())
+            lookup,
+            LookupEvent.KNOW,
+            data=Known(key, self.lookups.clock(), tokens),
         )
-        self._fire_lookup(lookup, LookupEvent.ANSWER, data=tokens)
         return lookup
+
+    def _send(
+        self,
+        lookup: LookupTracker,
+        event: LookupEvent,
+        key: tuple[int, int],
+        hashes: Any,
+    ) -> None:
+        """Ask the store about `hashes` for `lookup` (``ask``/``refresh``).
+
+        The message carries the epoch the event moves the tracker to; it
+        is queued for the lookup thread only if the event applied.
+        """
+        pending = self.lookups.message(
+            lookup.req_id, lookup, lookup.epoch + 1, hashes, key
+        )
+        if self._fire_lookup(lookup, event, data=pending):
+            self.lookups.queue(pending)
 
     def _local_hit(
         self,
@@ -609,39 +636,22 @@ class SchedulerSide:
             return 0
         if lookup is None:
             lookup = self._new_lookup(tracker)
-        self._fire_lookup(
-            lookup, LookupEvent.ASK, data=Ask(key, self.lookups.clock())
-        )
-        self.lookups.start(
-            tracker.req_id,
-            lookup,
-            lookup.epoch,
-            tracker.block_hashes[: key[1]],
+        self._send(
+            lookup, LookupEvent.ASK, key, tracker.block_hashes[: key[1]]
         )
         self.lookup_counts["started"] += 1
         return None
-
-    def _sent(self, batch: list[PendingLookup]) -> None:
-        """The lookup thread took `batch`: its lookups are in flight."""
-        for pending in batch:
-            lookup = pending.tracker
-            if lookup is not None and lookup.epoch == pending.epoch:
-                self._fire_lookup(lookup, LookupEvent.SEND, data=pending)
 
     def _await(self, lookup: LookupTracker) -> int | None:
         """The answer to the lookup asked for the current key.
 
         0 past its deadline (a miss), None while it is in flight.
         """
-        pending = lookup.pending
-        if pending is None:  # asked this step, not sent yet
-            deadline = lookup.at + self.lookups.timeout_s
-        elif self.lookups.handoff(pending):
+        pending: PendingLookup = lookup.pending
+        if self.lookups.handoff(pending):
             self._take(pending)
             return lookup.hit_tokens if lookup.state in _ANSWERED else None
-        else:
-            deadline = pending.deadline
-        if self.lookups.clock() < deadline:
+        if self.lookups.clock() < pending.deadline:
             return None
         self.lookup_counts["timed_out"] += 1
         self._fire_lookup(lookup, LookupEvent.TIME_OUT)
@@ -669,7 +679,7 @@ class SchedulerSide:
                 break
             del due[req_id]
             if lookup.state is LookupState.ANSWERED:
-                self._start_refresh(lookup, now)
+                self._start_refresh(lookup)
                 started += 1
 
     def _short(self, lookup: LookupTracker) -> bool:
@@ -683,16 +693,11 @@ class SchedulerSide:
             and lookup.key[0] == request.epoch
         )
 
-    def _start_refresh(self, lookup: LookupTracker, now: float) -> None:
-        self._fire_lookup(
-            lookup, LookupEvent.REFRESH, data=Ask(lookup.key, now)
-        )
+    def _start_refresh(self, lookup: LookupTracker) -> None:
         request: RequestTracker = lookup.request
-        self.lookups.start(
-            lookup.req_id,
-            lookup,
-            lookup.epoch,
-            request.block_hashes[: lookup.key[1]],
+        key = lookup.key
+        self._send(
+            lookup, LookupEvent.REFRESH, key, request.block_hashes[: key[1]]
         )
         self.lookup_counts["refreshed"] += 1
 
@@ -715,13 +720,14 @@ class SchedulerSide:
             and now - lookup.at >= LOOKUP_REFRESH_S
             and self._busy < self.max_pending
         ):
-            self._start_refresh(lookup, now)
+            self._start_refresh(lookup)
 
     def _admitted(self, req_id: str) -> None:
-        """vLLM admitted the request: its lookup needs no refresh.
+        """vLLM admitted the request: its lookup is over.
 
-        An unanswered lookup is dropped (its late answer is stale); an
-        answer stays, for vLLM to ask again.
+        A lookup in flight or refreshing is dropped too (its late answer
+        is stale).  vLLM asks about an admitted request again only after
+        a preemption, under a new epoch: a new lookup.
         """
         self._refresh_queue.pop(req_id, None)
         lookup = self.lookup_registry.get(req_id)
@@ -785,14 +791,7 @@ class SchedulerSide:
         found = self.found_blocks(pending)
         if found is None:
             self.lookup_counts["deferred"] += 1
-            self._fire_lookup(
-                lookup,
-                LookupEvent.ASK,
-                data=Ask(lookup.key, self.lookups.clock()),
-            )
-            self.lookups.start(
-                lookup.req_id, lookup, lookup.epoch, pending.hashes
-            )
+            self._send(lookup, LookupEvent.ASK, lookup.key, pending.hashes)
             return
         self._fire_lookup(
             lookup,

@@ -35,7 +35,11 @@ import attrs
 
 from lifecycle._generic import Padded
 from lifecycle.machine import LifecycleMachine
-from lifecycle.tracker import Tracker, check_tracker_class
+from lifecycle.tracker import (
+    Tracker,
+    check_tracker_class,
+    compiled_factory,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import TypeVar
@@ -156,6 +160,10 @@ class Registry(Padded, Generic[S, E, T, D]):
                 factory = at_initial
             elif default is not table.initial:
                 raise TypeError(_wrong_start(factory, default, table.name))
+            else:
+                # The class's own constructor, less re-validating its
+                # defaults at every tracker.
+                factory = compiled_factory(factory) or factory
         self._factory: TrackerFactory[T] = factory
 
     def __repr__(self) -> str:

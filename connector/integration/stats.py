@@ -32,7 +32,8 @@ A half may run several lifecycle tables (the scheduler half also runs the
 admission lookups, `connector.scheduler.admission.LOOKUPS`).  Counts of
 the KV table (`KV_TABLE`) are keyed ``"STATE/event"``; those of any other
 table ``"<table>:STATE/event"``
-(``"admission-lookup:IN_FLIGHT/answer"``), and Prometheus carries the table's name in a ``table`` label.
+(``"admission-lookup:IN_FLIGHT/answer"``), and Prometheus carries the
+table's name in a ``table`` label.
 """
 
 from __future__ import annotations

@@ -80,9 +80,12 @@ class LookupEvent(enum.StrEnum):
     DROP = "drop"
 
 
-@attrs.frozen
+@attrs.define
 class Known:
     """The data of ``know``: an answer known without asking the store.
+
+    Built at admission (a plain attrs record: a frozen one builds 2.5
+    times slower); the callback only reads it.
 
     Attributes:
         key: (request epoch, blocks asked) it answers.

@@ -206,6 +206,8 @@ class FailedKeys:
         first miss) is, the master has forgotten it: so is the entry.
         """
         found = max(0, min(found, len(keys)))
+        if not self._until and not self._loading:
+            return found  # nothing remembered, nothing loading
         with self._lock:
             now = self._clock()
             self._expire(now)

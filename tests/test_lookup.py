@@ -287,6 +287,63 @@ def test_a_dropped_lookup_is_never_applied(clock, answered_first):
     assert side.registry.get("a").state is State.SAVING
 
 
+def test_an_answer_taken_in_the_hook_is_not_taken_again(clock):
+    """vLLM asks again once the answer is back: the hook takes it, and
+    the same answer, still in the completed queue, is not taken a second
+    time when the step takes the queue (after the admission ended the
+    lookup): no stale answer, one ``lookup_done``, one answer."""
+    side, _ = make(clock)
+    a = Req("a")
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    assert side.lookups.completed == 1
+    assert side.get_num_new_matched_tokens(a, 0) == (32, True)
+    side.update_state_after_alloc(a, Blocks(), 32)
+    side.build_connector_meta(Step())  # takes the queue
+    assert side.lookups.completed == 0
+    assert side.lookup_machine.stale_counts == {}
+    assert side.lookup_counts["answered"] == 1
+    done = side.machine.transition_counts()
+    assert sum(n for r, n in done.items() if r.event is Event.LOOKUP_DONE) == 1
+
+
+def test_admission_ends_the_lookup_unless_the_request_still_waits(clock):
+    """Admitted (the KV lifecycle left NEW): the lookup is over and
+    leaves the registry.  A preempted request allocated on its local hit
+    still waits (RESET) until it resumes, and vLLM may ask again: its
+    answer stays, asked again without a new lookup."""
+    side, store = make(clock)
+    a, b = Req("a"), Req("b")
+    b.block_hashes = [bytes([i + 9]) * 8 for i in range(4)]  # not loading
+    for r in (a, b):
+        assert side.get_num_new_matched_tokens(r, 0) == (None, False)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    assert side.get_num_new_matched_tokens(a, 0) == (32, True)
+    side.update_state_after_alloc(a, Blocks(), 32)
+    assert side.registry.get("a").state is State.LOADING
+    assert "a" not in side.lookup_registry  # admitted: over
+
+    # b runs, is preempted, and is allocated again on its local hit.
+    side.update_state_after_alloc(b, Blocks(), 0)
+    side.build_connector_meta(Step(preempted=["b"]))
+    assert side.registry.get("b").state is State.RESET
+    assert side.get_num_new_matched_tokens(b, 0) == (None, False)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    assert side.get_num_new_matched_tokens(b, 0) == (32, True)
+    side.update_state_after_alloc(b, Blocks(), 0)
+    assert side.registry.get("b").state is State.RESET  # until it resumes
+    lookup = side.lookup_registry.get("b")
+    assert lookup.state is LookupState.ANSWERED
+    calls = list(store.calls)
+    assert side.get_num_new_matched_tokens(b, 0) == (32, True)
+    assert store.calls == calls  # no new lookup
+    side.request_finished(b, [])
+    assert "b" not in side.lookup_registry
+
+
 def test_every_lookup_state_is_reached(clock):
     """Asked, in flight, answered, refreshing, dropped: each is a state
     of the lookup table a real sequence of hooks reaches."""

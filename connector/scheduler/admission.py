@@ -21,7 +21,9 @@ REFRESHING
     request is admitted on the answer it has meanwhile.
 DROPPED
     Terminal: the request was admitted (on its answer, or before it had
-    one), or it ended.  The tracker leaves the registry.
+    one), or it ended.  The tracker leaves the registry.  (A preempted
+    request allocated on its local hit still waits until it resumes:
+    ``allocate`` keeps its answer for vLLM to ask again.)
 
 Epochs fence stale answers: every lookup sent (``ask``, ``refresh``) and
 every answer known without asking (``know``) starts a new epoch, and the
@@ -76,6 +78,7 @@ class LookupEvent(enum.StrEnum):
     ANSWER = "answer"
     TIME_OUT = "time_out"
     REFRESH = "refresh"
+    ALLOCATE = "allocate"
     ADMIT = "admit"
     DROP = "drop"
 
@@ -205,12 +208,19 @@ LOOKUPS: Final[Table[LookupState, LookupEvent, Any]] = Table(
         Row(LS.IN_FLIGHT, LE.TIME_OUT, LS.ANSWERED, after=(give_up,)),
         Row(LS.REFRESHING, LE.TIME_OUT, LS.ANSWERED, after=(keep_answer,)),
         Row(LS.ANSWERED, LE.REFRESH, LS.REFRESHING, after=(start_refresh,)),
+        # vLLM allocated a request that still waits (preempted, then
+        # allocated on its local hit, until it resumes): vLLM may ask
+        # again, so an answer stays; a lookup not answered is dropped.
+        Row(LS.ASKED, LE.ALLOCATE, LS.DROPPED, after=(let_go,)),
+        Row(LS.IN_FLIGHT, LE.ALLOCATE, LS.DROPPED, after=(let_go,)),
+        Row(LS.ANSWERED, LE.ALLOCATE, LS.ANSWERED),
+        Row(LS.REFRESHING, LE.ALLOCATE, LS.ANSWERED, after=(let_go,)),
         # vLLM admitted the request, on its answer or before it had one:
         # the lookup is over (a request looked up again after a
         # preemption asks under a new key, with a new tracker).
         Row(LS.ASKED, LE.ADMIT, LS.DROPPED, after=(let_go,)),
         Row(LS.IN_FLIGHT, LE.ADMIT, LS.DROPPED, after=(let_go,)),
-        Row(LS.ANSWERED, LE.ADMIT, LS.DROPPED, after=(let_go,)),
+        Row(LS.ANSWERED, LE.ADMIT, LS.DROPPED),  # nothing in flight
         Row(LS.REFRESHING, LE.ADMIT, LS.DROPPED, after=(let_go,)),
         Row(LS.ASKED, LE.DROP, LS.DROPPED, after=(let_go,)),
         Row(LS.IN_FLIGHT, LE.DROP, LS.DROPPED, after=(let_go,)),
@@ -219,7 +229,7 @@ LOOKUPS: Final[Table[LookupState, LookupEvent, Any]] = Table(
     ],
     initial=LS.ASKED,
     terminal=(LS.DROPPED,),
-    total_events=(LE.DROP, LE.ADMIT, LE.ASK, LE.KNOW),
+    total_events=(LE.DROP, LE.ADMIT, LE.ALLOCATE, LE.ASK, LE.KNOW),
     name="admission-lookup",
     title="Admission lookup (scheduler side)",
 )

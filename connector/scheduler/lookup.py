@@ -112,6 +112,7 @@ class PendingLookup:
         found: Leading blocks stored (valid once `done`).
         done: Set by the lookup thread once `found` is final.
         expired: The thread skipped it (deadline passed, never sent).
+        taken: The scheduler half took the answer (scheduler thread).
     """
 
     req_id: str
@@ -125,6 +126,7 @@ class PendingLookup:
     found: int = 0
     done: bool = False
     expired: bool = False
+    taken: bool = False
 
     @property
     def stale(self) -> bool:

@@ -320,15 +320,15 @@ class SchedulerSide:
         if tracker is None:
             self.machine.unknown(request.request_id, Event.ALLOC_LOCAL)
             return
-        self._admitted(tracker.req_id)
         if num_external_tokens <= 0:
             self.registry.fire_on(tracker, Event.ALLOC_LOCAL)
-            return
-        allocated = Allocated(blocks.get_block_ids(), num_external_tokens)
-        if self.registry.fire_on(
-            tracker, Event.ALLOC_EXTERNAL, data=allocated
-        ):
-            self._loads_to_issue.append(tracker)
+        else:
+            allocated = Allocated(blocks.get_block_ids(), num_external_tokens)
+            if self.registry.fire_on(
+                tracker, Event.ALLOC_EXTERNAL, data=allocated
+            ):
+                self._loads_to_issue.append(tracker)
+        self._admitted(tracker)
 
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
         """Fold one scheduling step into lifecycle events and transfer jobs."""
@@ -734,20 +734,28 @@ class SchedulerSide:
         ):
             self._start_refresh(lookup)
 
-    def _admitted(self, req_id: str) -> None:
-        """vLLM admitted the request: its lookup is over.
+    def _admitted(self, tracker: RequestTracker) -> None:
+        """vLLM allocated the request's blocks: its lookup needs no refresh.
 
-        A lookup in flight or refreshing is dropped too (its late answer
-        is stale).  vLLM asks about an admitted request again only after
-        a preemption, under a new epoch: a new lookup.
+        Once the request left the waiting states, its lookup is over
+        (``admit``): vLLM asks about it again only after a preemption,
+        under a new epoch, with a new lookup.  A preempted request
+        allocated on its local hit waits (RESET) until it resumes, and
+        vLLM may ask again meanwhile: its answer stays (``allocate``).
+        Either way a lookup in flight or refreshing is dropped (its late
+        answer is stale).
         """
+        req_id = tracker.req_id
         self._refresh_queue.pop(req_id, None)
         lookup = self.lookup_registry.get(req_id)
         if lookup is None:
             return
         if lookup.state in _BUSY:
             self.lookup_counts["superseded"] += 1
-        self._fire_lookup(lookup, LookupEvent.ADMIT)
+        waiting = tracker.state in _WAITING_STATES
+        self._fire_lookup(
+            lookup, LookupEvent.ALLOCATE if waiting else LookupEvent.ADMIT
+        )
 
     def _end_lookup(self, req_id: str, why: str) -> None:
         """The request ended (or its id was reused): drop its lookup.
@@ -777,8 +785,12 @@ class SchedulerSide:
         since makes it stale there) and answers the lookup, unless the
         failed-load memory defers it (a block of the hit is being loaded
         for another request: `connector.scheduler.failed_keys`); the
-        request is then asked for again.
+        request is then asked for again.  Taking it again (in the hook
+        that waited for it, then from the completed queue) is a no-op.
         """
+        if pending.taken:
+            return
+        pending.taken = True
         if (
             self._remember_misses
             and not pending.expired

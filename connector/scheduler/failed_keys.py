@@ -187,7 +187,8 @@ class FailedKeys:
                 count, since = self._loading.pop(key, (0, 0.0))
                 if count > 1:
                     self._loading[key] = (count - 1, since)
-        self.record(failed)
+        if failed:
+            self.record(failed)
         if self.peers is not None:
             if failed:
                 self.peers.failed(failed)  # type: ignore[arg-type]

@@ -306,7 +306,7 @@ class SchedulerSide:
         asked = Asked(request, num_computed_tokens, self.generation)
         if not self.registry.fire_on(tracker, Event.LOOKUP, data=asked):
             return 0, False
-        hit = self._hit_tokens(tracker, request.num_tokens)
+        hit = self._hit_tokens(tracker, tracker.num_tokens)
         if hit is None:
             return None, False
         external = max(hit - num_computed_tokens, 0)
@@ -726,10 +726,9 @@ class SchedulerSide:
             if pending is not None and pending.done:
                 self._take(pending)
             return
-        now = self.lookups.clock()
         if (
             lookup.hit_tokens < lookup.key[1] * self.block_size
-            and now - lookup.at >= LOOKUP_REFRESH_S
+            and self.lookups.clock() - lookup.at >= LOOKUP_REFRESH_S
             and self._busy < self.max_pending
         ):
             self._start_refresh(lookup)

@@ -242,6 +242,31 @@ def _attrs_init(cls: type) -> bool:
     )
 
 
+def _key_check(
+    cls: type, key: attrs.Attribute[Any], names: dict[str, object]
+) -> list[str]:
+    """The generated lines that validate the key ``req_id``."""
+    if key.validator is None:
+        return []
+    names["check_key"] = key.validator
+    names["key_field"] = key
+    check = "    check_key(tracker, key_field, req_id)"
+    key_type = getattr(cls, "key_type", None)
+    if key.validator is not _check_req_id or not (
+        key_type is None or issubclass(str, key_type)
+    ):
+        return [check]
+    # The common key, inline: a str of an accepted length passes
+    # `_check_req_id`; any other key goes through it.
+    names["max_len"] = MAX_REQ_ID_LEN
+    return [
+        "    if type(req_id) is not str or not (",
+        "        0 < len(req_id) <= max_len",
+        "    ):",
+        "    " + check,
+    ]
+
+
 def compiled_factory(cls: type) -> Callable[[Any], Any] | None:
     """A constructor of `cls` from its key alone, compiled once; or None.
 
@@ -264,10 +289,7 @@ def compiled_factory(cls: type) -> Callable[[Any], Any] | None:
     names: dict[str, object] = {"new": object.__new__, "cls": cls}
     key = fields[0]
     lines = ["def make(req_id):", "    tracker = new(cls)"]
-    if key.validator is not None:
-        names["check_key"] = key.validator
-        names["key_field"] = key
-        lines.append("    check_key(tracker, key_field, req_id)")
+    lines += _key_check(cls, key, names)
     lines.append("    tracker.req_id = req_id")
     for i, field in enumerate(fields[1:]):
         default = field.default

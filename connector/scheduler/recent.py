@@ -108,9 +108,20 @@ class RecentBlocks:
         prefix cannot reach past a block in it that is absent.  One dict
         lookup per block; none while nothing is remembered.
         """
-        if not self._misses:
+        misses = self._misses
+        if not misses:
             return False
-        return any(self.absent(h) for h in block_hashes)
+        now = None
+        for h in block_hashes:  # `absent`, inline (once per ask)
+            until = misses.get(h)
+            if until is None:
+                continue
+            if now is None:
+                now = self.clock()
+            if until > now:
+                return True
+            del misses[h]
+        return False
 
     # -- own saves ------------------------------------------------------------
 

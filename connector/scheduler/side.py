@@ -551,7 +551,11 @@ class SchedulerSide:
                     return 0
                 if lookup.state not in _ANSWERED:
                     return found  # None while in flight
-            self._refresh(lookup)
+            if (
+                lookup.state is LookupState.REFRESHING
+                or lookup.hit_tokens < asked * bs  # short: kept fresh
+            ):
+                self._refresh(lookup)
             return lookup.hit_tokens
         return self._ask(tracker, lookup, key, local)
 
@@ -793,7 +797,7 @@ class SchedulerSide:
         if (
             self._remember_misses
             and not pending.expired
-            and pending.found < pending.asked
+            and pending.found < len(pending.hashes)
         ):
             self.recent.missed(pending.hashes[pending.found])
         lookup: LookupTracker = pending.tracker
@@ -824,7 +828,7 @@ class SchedulerSide:
         )
         self.lookup_counts["answered"] += 1
         self._refresh_queue.pop(lookup.req_id, None)
-        if found < pending.asked:  # re-inserted last: oldest first
+        if found < len(pending.hashes):  # re-inserted last: oldest first
             self._refresh_queue[lookup.req_id] = lookup
 
     def found_blocks(self, pending: PendingLookup) -> int | None:

@@ -356,7 +356,7 @@ class SchedulerSide:
             if tracker.state is State.RESET:
                 # Model runner v2 sends a resumed request as a new one.
                 self.registry.fire_on(tracker, Event.RESUME)
-            self._set_tables(tracker, new.block_ids)
+            set_tables(tracker, new.block_ids)
             done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._maybe_save(tracker, done, jobs)
         self._cached_reqs(so.scheduled_cached_reqs, scheduled, jobs)
@@ -430,10 +430,12 @@ class SchedulerSide:
         """
         del block_ids  # empty after preemption; saves pinned their own
         abort = _aborted(request)
-        self._end_lookup(request.request_id, "ended")
-        self.registry.fire(
-            request.request_id, Event.ABORT if abort else Event.FINISH
-        )
+        req_id = request.request_id
+        if req_id in self.lookup_registry:  # admitted ones have none
+            self._end_lookup(req_id, "ended")
+        else:
+            self._refresh_queue.pop(req_id, None)
+        self.registry.fire(req_id, Event.ABORT if abort else Event.FINISH)
         return False, None
 
     def update_connector_output(self, output: Any) -> None:
@@ -598,7 +600,9 @@ class SchedulerSide:
         pending = self.lookups.message(
             lookup.req_id, lookup, lookup.epoch + 1, hashes, key
         )
-        if self._fire_lookup(lookup, event, data=pending):
+        was = lookup.state in _BUSY  # `_fire_lookup`, inline (every ask)
+        if self.lookup_registry.fire_on(lookup, event, data=pending):
+            self._busy += (lookup.state in _BUSY) - was
             self.lookups.queue(pending)
 
     def _local_hit(

@@ -506,3 +506,44 @@ def test_a_reset_stops_decode_saves_too(clock, reset):
     step.num_scheduled_tokens = {"run": 5 * BS - req.num_prompt_tokens}
     saves = side.build_connector_meta(step).jobs
     assert [len(j.block_ids) for j in saves] == ([] if reset else [1])
+
+
+def test_every_event_of_the_half_is_fired_on_the_scheduler_thread(clock):
+    """The half's machines take no lock: every event of both tables
+    (requests and lookups) comes from the thread that calls the hooks,
+    never from the lookup thread, even with a real lookup thread
+    answering a burst sent in chunks."""
+    side = SchedulerSide(
+        block_size=BS,
+        role=Role.BOTH,
+        lookup=FakeLookup(stored=2),
+        machine=LifecycleMachine(REQUESTS, strict=True, thread_safe=False),
+    )
+    assert not side.machine.thread_safe
+    assert not side.lookup_machine.thread_safe
+    threads: set[int] = set()
+
+    def seen(*_args):
+        threads.add(threading.get_ident())
+
+    side.machine.add_observer(seen)
+    side.lookup_machine.add_observer(seen)
+    side.lookup_machine.add_reject_observer(seen)
+    try:
+        reqs = [Req(f"r{i}") for i in range(2 * CHUNK + 3)]
+        for i, r in enumerate(reqs):
+            side.on_new_request(r)
+            assert side.get_num_new_matched_tokens(r, 0) == (None, False)
+            if i + 1 == CHUNK:  # the first chunk is answered meanwhile
+                assert side.wait_for_lookups(5.0)
+        side.build_connector_meta(Step())
+        assert side.wait_for_lookups(5.0)
+        for r in reqs[:5]:
+            assert side.get_num_new_matched_tokens(r, 0) == (32, True)
+            side.update_state_after_alloc(r, Blocks(), 32)
+        side.build_connector_meta(Step())
+        for r in reqs:
+            side.request_finished(r, [])
+    finally:
+        side.close()
+    assert threads == {threading.get_ident()}

@@ -15,13 +15,17 @@ tracker at a time.  When a key is reused after its tracker ended, the new
 tracker's epoch continues above the old one's, so a completion issued for
 the earlier incarnation is stale, never applied to the new one.
 
-Threads: every method may be called from any thread.  Transitions are
-serialised by the machine's lock; creating and dropping trackers are
-atomic, so two threads never get two trackers for one key.
+Threads: over a thread-safe machine (the default), every method may be
+called from any thread.  Transitions are serialised by the machine's
+lock; creating and dropping trackers are atomic, so two threads never get
+two trackers for one key.  Over a machine built with ``thread_safe=False``
+the registry is as single-threaded as its machine: it takes no lock, and
+every call must come from the one thread that fires its events.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import warnings
 from collections.abc import Hashable, Iterator
@@ -31,7 +35,11 @@ import attrs
 
 from lifecycle._generic import Padded
 from lifecycle.machine import LifecycleMachine
-from lifecycle.tracker import Tracker, check_tracker_class
+from lifecycle.tracker import (
+    Tracker,
+    check_tracker_class,
+    compiled_factory,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import TypeVar
@@ -70,9 +78,11 @@ class Registry(Padded, Generic[S, E, T, D]):
             initial state.
         continue_epochs: Start the tracker of a reused key above its
             predecessor's epoch (the default), so that predecessor's
-            completions are stale.  False restarts at 0: only for a
-            registry that mirrors another one's epochs (it learns them
-            from the jobs it is given).
+            completions are stale.  False restarts at 0 and remembers
+            nothing of ended keys: only for a registry that mirrors
+            another one's epochs (it learns them from the jobs it is
+            given), or whose late events reach an ended tracker through
+            the tracker object itself, never through its key.
 
     Raises:
         TypeError: the factory is a tracker class that would be slow or
@@ -85,6 +95,7 @@ class Registry(Padded, Generic[S, E, T, D]):
         "_checked",
         "_continue",
         "_factory",
+        "_fire",
         "_floor",
         "_lock",
         "_retired",
@@ -123,9 +134,15 @@ class Registry(Padded, Generic[S, E, T, D]):
         """The shared machine (its table, counters and observers)."""
         table = machine.table
         self._trackers: dict[Hashable, T] = {}
-        self._retired: dict[Hashable, int] = {}
+        # Oldest first; an OrderedDict pops its oldest in O(1) (a dict
+        # scans the holes its earlier pops left at the front).
+        self._retired: collections.OrderedDict[Hashable, int] = (
+            collections.OrderedDict()
+        )
         self._floor = 0
-        self._lock = machine._lock  # noqa: SLF001 - one lock per lifecycle
+        # One lock per lifecycle; none where one thread owns the machine.
+        self._lock = machine._lock if machine.thread_safe else None  # noqa: SLF001
+        self._fire = machine.fire
         # A tuple: `in` compares by identity first (no Enum.__hash__).
         self._terminal: tuple[S, ...] = tuple(table.terminal)
         self._checked: type | None = None
@@ -143,6 +160,10 @@ class Registry(Padded, Generic[S, E, T, D]):
                 factory = at_initial
             elif default is not table.initial:
                 raise TypeError(_wrong_start(factory, default, table.name))
+            else:
+                # The class's own constructor, less re-validating its
+                # defaults at every tracker.
+                factory = compiled_factory(factory) or factory
         self._factory: TrackerFactory[T] = factory
 
     def __repr__(self) -> str:
@@ -160,22 +181,31 @@ class Registry(Padded, Generic[S, E, T, D]):
         """
         tracker = self._trackers.get(req_id)
         if tracker is None:
+            if self._lock is None:  # one thread: no race to re-check
+                return self._add(req_id)
             tracker = self._create(req_id)
         return tracker
 
     def _create(self, req_id: Hashable) -> T:
+        if self._lock is None:
+            return self._add(req_id)
         with self._lock:
             tracker = self._trackers.get(req_id)
             if tracker is not None:
                 return tracker  # another thread created it meanwhile
-            tracker = self._factory(req_id)
-            if type(tracker) is not self._checked:
-                self._check(tracker)
+            return self._add(req_id)
+
+    def _add(self, req_id: Hashable) -> T:
+        """Create and register the tracker of a key not tracked now."""
+        tracker = self._factory(req_id)
+        if type(tracker) is not self._checked:
+            self._check(tracker)
+        if self._continue:
             start = self._retired.pop(req_id, self._floor)
             if start:
                 tracker.epoch = start
-            self._trackers[req_id] = tracker
-            return tracker
+        self._trackers[req_id] = tracker
+        return tracker
 
     def _check(self, tracker: T) -> None:
         check_tracker_class(type(tracker))
@@ -257,23 +287,34 @@ class Registry(Padded, Generic[S, E, T, D]):
         The fast path of `fire` for a caller holding the tracker.  "Ended"
         means a state in the table's ``terminal`` set.
         """
-        applied = self.machine.fire(tracker, event, epoch=epoch, data=data)
+        applied = self._fire(tracker, event, epoch=epoch, data=data)
         if applied and tracker.state in self._terminal:
-            self._drop(tracker)
+            if self._lock is None:
+                self._remove(tracker)
+            else:
+                self._drop(tracker)
         return applied
 
     def _drop(self, tracker: T) -> None:
-        key = tracker.req_id
+        if self._lock is None:
+            self._remove(tracker)
+            return
         with self._lock:
-            if self._trackers.get(key) is tracker:
-                del self._trackers[key]
-            if not self._continue:
-                return
-            retired = self._retired
-            retired[key] = max(retired.get(key, 0), tracker.epoch + 1)
-            if len(retired) > RETIRED_KEYS:
-                oldest = next(iter(retired))
-                self._floor = max(self._floor, retired.pop(oldest))
+            self._remove(tracker)
+
+    def _remove(self, tracker: T) -> None:
+        """Forget `tracker`, remembering its epoch for its key's reuse."""
+        key = tracker.req_id
+        if self._trackers.get(key) is tracker:
+            del self._trackers[key]
+        if not self._continue:
+            return
+        retired = self._retired
+        last = retired.get(key, 0)
+        retired[key] = tracker.epoch + 1 if tracker.epoch >= last else last
+        if len(retired) > RETIRED_KEYS:
+            _, oldest = retired.popitem(last=False)
+            self._floor = max(self._floor, oldest)
 
     def discard(self, req_id: Hashable) -> T | None:
         """Forget `req_id` without an event (e.g. at shutdown)."""

@@ -221,3 +221,97 @@ def check_tracker_class(cls: type) -> None:
         )
         raise TypeError(msg)
     _CHECKED.add(cls)
+
+
+# Factories whose every call returns an equal, fresh value: a validator
+# that accepts one of their values accepts them all.
+_PLAIN_FACTORIES: frozenset[object] = frozenset(
+    {list, dict, set, tuple, frozenset, bytearray}
+)
+
+
+def _attrs_init(cls: type) -> bool:
+    """Whether `cls.__init__` is the one attrs generated (no user hooks)."""
+    init = cls.__dict__.get("__init__")
+    code = getattr(init, "__code__", None)
+    return (
+        code is not None
+        and code.co_filename.startswith("<attrs generated")
+        and not hasattr(cls, "__attrs_pre_init__")
+        and not hasattr(cls, "__attrs_post_init__")
+    )
+
+
+def _key_check(
+    cls: type, key: attrs.Attribute[Any], names: dict[str, object]
+) -> list[str]:
+    """The generated lines that validate the key ``req_id``."""
+    if key.validator is None:
+        return []
+    names["check_key"] = key.validator
+    names["key_field"] = key
+    check = "    check_key(tracker, key_field, req_id)"
+    key_type = getattr(cls, "key_type", None)
+    if key.validator is not _check_req_id or not (
+        key_type is None or issubclass(str, key_type)
+    ):
+        return [check]
+    # The common key, inline: a str of an accepted length passes
+    # `_check_req_id`; any other key goes through it.
+    names["max_len"] = MAX_REQ_ID_LEN
+    return [
+        "    if type(req_id) is not str or not (",
+        "        0 < len(req_id) <= max_len",
+        "    ):",
+        "    " + check,
+    ]
+
+
+def compiled_factory(cls: type) -> Callable[[Any], Any] | None:
+    """A constructor of `cls` from its key alone, compiled once; or None.
+
+    It does what the attrs ``__init__`` does for ``cls(req_id)``, except
+    that the validators of the other fields ran once, here, on their
+    defaults (a constant default, or a fresh value of a built-in
+    container factory, is the same every time); the key's validator runs
+    at every call.  None (use the class itself) when `cls` is not a fast
+    tracker class, has its own ``__init__`` or attrs init hooks, a field
+    without a default or with a converter, a factory that reads the
+    instance or that is not a built-in container, or a default its
+    validator refuses.
+    """
+    if slow_reasons(cls) or not _attrs_init(cls):
+        return None
+    fields = attrs.fields(cls)
+    if not fields or fields[0].name != "req_id":
+        return None
+    proto: object = object.__new__(cls)
+    names: dict[str, object] = {"new": object.__new__, "cls": cls}
+    key = fields[0]
+    lines = ["def make(req_id):", "    tracker = new(cls)"]
+    lines += _key_check(cls, key, names)
+    lines.append("    tracker.req_id = req_id")
+    for i, field in enumerate(fields[1:]):
+        default = field.default
+        if field.converter is not None or default is attrs.NOTHING:
+            return None
+        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            factory = default.factory
+            if default.takes_self or factory not in _PLAIN_FACTORIES:
+                return None
+            value = factory()
+            names[f"factory{i}"] = factory
+            lines.append(f"    tracker.{field.name} = factory{i}()")
+        else:
+            value = default
+            names[f"default{i}"] = default
+            lines.append(f"    tracker.{field.name} = default{i}")
+        if field.validator is not None:
+            try:
+                field.validator(proto, field, value)
+            except Exception:  # noqa: BLE001 - the class itself will raise
+                return None
+    lines.append("    return tracker")
+    exec("\n".join(lines), names)  # noqa: S102 - generated from attrs fields
+    make: Callable[[Any], Any] = names["make"]  # type: ignore[assignment]
+    return make

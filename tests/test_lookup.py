@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from connector.scheduler.admission import Ask, LookupEvent, LookupState
+from connector.scheduler.admission import LookupEvent, LookupState
 from connector.scheduler.lookup import CHUNK, AsyncLookups, leading_hits
 from connector.scheduler.requests import REQUESTS
 from connector.scheduler.side import Role, SchedulerSide
@@ -151,8 +151,7 @@ def test_a_lookup_from_before_a_preemption_is_stale(clock):
     side.registry.fire_on(tracker, Event.ALLOC_LOCAL)  # running
     # A lookup of epoch 0 in flight (vLLM asked while it waited).
     lookup = side._new_lookup(tracker)
-    side._fire_lookup(lookup, LookupEvent.ASK, data=Ask((0, 1), 0.0))
-    side.lookups.start("a", lookup, lookup.epoch, [b"x" * 8])
+    side._send(lookup, LookupEvent.ASK, (0, 1), [b"x" * 8])
     side.build_connector_meta(Step(preempted=["a"]))  # epoch 1, RESET
     assert tracker.state is State.RESET
     side.lookups.run_pending()
@@ -286,6 +285,63 @@ def test_a_dropped_lookup_is_never_applied(clock, answered_first):
     assert lookup.hit_tokens == 0  # never applied
     assert side.machine.illegal_counts == {}
     assert side.registry.get("a").state is State.SAVING
+
+
+def test_an_answer_taken_in_the_hook_is_not_taken_again(clock):
+    """vLLM asks again once the answer is back: the hook takes it, and
+    the same answer, still in the completed queue, is not taken a second
+    time when the step takes the queue (after the admission ended the
+    lookup): no stale answer, one ``lookup_done``, one answer."""
+    side, _ = make(clock)
+    a = Req("a")
+    assert side.get_num_new_matched_tokens(a, 0) == (None, False)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    assert side.lookups.completed == 1
+    assert side.get_num_new_matched_tokens(a, 0) == (32, True)
+    side.update_state_after_alloc(a, Blocks(), 32)
+    side.build_connector_meta(Step())  # takes the queue
+    assert side.lookups.completed == 0
+    assert side.lookup_machine.stale_counts == {}
+    assert side.lookup_counts["answered"] == 1
+    done = side.machine.transition_counts()
+    assert sum(n for r, n in done.items() if r.event is Event.LOOKUP_DONE) == 1
+
+
+def test_admission_ends_the_lookup_unless_the_request_still_waits(clock):
+    """Admitted (the KV lifecycle left NEW): the lookup is over and
+    leaves the registry.  A preempted request allocated on its local hit
+    still waits (RESET) until it resumes, and vLLM may ask again: its
+    answer stays, asked again without a new lookup."""
+    side, store = make(clock)
+    a, b = Req("a"), Req("b")
+    b.block_hashes = [bytes([i + 9]) * 8 for i in range(4)]  # not loading
+    for r in (a, b):
+        assert side.get_num_new_matched_tokens(r, 0) == (None, False)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    assert side.get_num_new_matched_tokens(a, 0) == (32, True)
+    side.update_state_after_alloc(a, Blocks(), 32)
+    assert side.registry.get("a").state is State.LOADING
+    assert "a" not in side.lookup_registry  # admitted: over
+
+    # b runs, is preempted, and is allocated again on its local hit.
+    side.update_state_after_alloc(b, Blocks(), 0)
+    side.build_connector_meta(Step(preempted=["b"]))
+    assert side.registry.get("b").state is State.RESET
+    assert side.get_num_new_matched_tokens(b, 0) == (None, False)
+    side.build_connector_meta(Step())
+    side.lookups.run_pending()
+    assert side.get_num_new_matched_tokens(b, 0) == (32, True)
+    side.update_state_after_alloc(b, Blocks(), 0)
+    assert side.registry.get("b").state is State.RESET  # until it resumes
+    lookup = side.lookup_registry.get("b")
+    assert lookup.state is LookupState.ANSWERED
+    calls = list(store.calls)
+    assert side.get_num_new_matched_tokens(b, 0) == (32, True)
+    assert store.calls == calls  # no new lookup
+    side.request_finished(b, [])
+    assert "b" not in side.lookup_registry
 
 
 def test_every_lookup_state_is_reached(clock):
@@ -450,3 +506,44 @@ def test_a_reset_stops_decode_saves_too(clock, reset):
     step.num_scheduled_tokens = {"run": 5 * BS - req.num_prompt_tokens}
     saves = side.build_connector_meta(step).jobs
     assert [len(j.block_ids) for j in saves] == ([] if reset else [1])
+
+
+def test_every_event_of_the_half_is_fired_on_the_scheduler_thread(clock):
+    """The half's machines take no lock: every event of both tables
+    (requests and lookups) comes from the thread that calls the hooks,
+    never from the lookup thread, even with a real lookup thread
+    answering a burst sent in chunks."""
+    side = SchedulerSide(
+        block_size=BS,
+        role=Role.BOTH,
+        lookup=FakeLookup(stored=2),
+        machine=LifecycleMachine(REQUESTS, strict=True, thread_safe=False),
+    )
+    assert not side.machine.thread_safe
+    assert not side.lookup_machine.thread_safe
+    threads: set[int] = set()
+
+    def seen(*_args):
+        threads.add(threading.get_ident())
+
+    side.machine.add_observer(seen)
+    side.lookup_machine.add_observer(seen)
+    side.lookup_machine.add_reject_observer(seen)
+    try:
+        reqs = [Req(f"r{i}") for i in range(2 * CHUNK + 3)]
+        for i, r in enumerate(reqs):
+            side.on_new_request(r)
+            assert side.get_num_new_matched_tokens(r, 0) == (None, False)
+            if i + 1 == CHUNK:  # the first chunk is answered meanwhile
+                assert side.wait_for_lookups(5.0)
+        side.build_connector_meta(Step())
+        assert side.wait_for_lookups(5.0)
+        for r in reqs[:5]:
+            assert side.get_num_new_matched_tokens(r, 0) == (32, True)
+            side.update_state_after_alloc(r, Blocks(), 32)
+        side.build_connector_meta(Step())
+        for r in reqs:
+            side.request_finished(r, [])
+    finally:
+        side.close()
+    assert threads == {threading.get_ident()}

@@ -64,6 +64,17 @@ def test_saved_prefix_is_the_leading_run_of_own_saves(clock):
     assert r.saved_prefix(H[:4]) == 0
 
 
+def test_a_block_saved_again_is_the_newest(clock):
+    r = make(clock, capacity=3)
+    r.saved(H[:3])
+    r.saved([H[3], H[0]])  # H[0] again (newest), H[3] new: H[1] dropped
+    assert r.saved_prefix([H[0]]) == 1
+    assert r.saved_prefix([H[1]]) == 0
+    r.saved([H[4]])  # then H[2], the oldest left
+    assert r.saved_prefix([H[2]]) == 0
+    assert r.saved_prefix([H[3], H[0], H[4]]) == 3
+
+
 @pytest.mark.parametrize(("ttl", "cap"), [(0, 1), (1, 0), (-1, 1)])
 def test_bounds_must_be_positive(ttl, cap):
     with pytest.raises(ValueError, match="positive"):

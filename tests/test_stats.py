@@ -239,7 +239,7 @@ def test_prometheus_metrics_follow_vllm_names_and_count():
     )
     assert isinstance(prom, LifecyclePromMetrics)
     data = payload(
-        {"SAVING/preempt": 2, "admission-lookup:ASKED/send": 5},
+        {"SAVING/preempt": 2, "admission-lookup:IN_FLIGHT/answer": 5},
         get_ops=2,
         latencies=[0.002, 0.2],
     )
@@ -255,7 +255,7 @@ def test_prometheus_metrics_follow_vllm_names_and_count():
     assert value(MetricName.TRANSITIONS, pair) == 4
     # Another table's counts carry its name; the KV table's keys do not.
     lookup = {**scheduler, "table": "admission-lookup"}
-    asked = {**lookup, "state": "ASKED", "event": "send"}
+    asked = {**lookup, "state": "IN_FLIGHT", "event": "answer"}
     assert value(MetricName.TRANSITIONS, asked) == 10
     assert value(MetricName.TRANSITIONS, {**pair, **lookup}) is None
     unknown = {**scheduler, "state": "unknown", "event": "finish"}

@@ -32,6 +32,7 @@ from lifecycle import (
 )
 from lifecycle.testing import fire_stock, table_tests, tracker_in
 from lifecycle.trace import TraceWriter, replay_file, summarize
+from lifecycle.tracker import check_count, compiled_factory
 from tests.user_lifecycle import (
     MAX_ATTEMPTS,
     TABLE,
@@ -259,6 +260,68 @@ class TestTrackers:
         assert type(a).__setattr__ is object.__setattr__
         with pytest.raises(TypeError, match="not a subclass"):
             define_tracker(int)
+
+    def test_a_registry_builds_trackers_like_the_class_does(self) -> None:
+        """The registry's compiled constructor: every field as the attrs
+        ``__init__`` sets it, fresh containers, the key validated at
+        every tracker."""
+
+        @define_tracker
+        class Rich(Tracker[JobState]):
+            state: JobState = JobState.WAITING
+            tries: int = attrs.field(default=2, validator=check_count)
+            seen: list[int] = attrs.field(factory=list)
+            tags: set[str] = attrs.field(factory=set)
+            note: str = "n"
+
+        registry = Registry(_machine(), Rich)
+        assert registry._factory is not Rich  # the compiled one
+        a, b = registry.get_or_create("a"), registry.get_or_create("b")
+        assert type(a) is Rich
+        assert attrs.asdict(a, recurse=False) == attrs.asdict(
+            Rich("a"), recurse=False
+        )
+        assert a.seen is not b.seen
+        assert a.tags is not b.tags
+        with pytest.raises(ValueError, match=r"1\.\.1024 characters"):
+            registry.get_or_create("")
+        with pytest.raises(TypeError, match="hashable"):
+            registry.get_or_create(["unhashable"])
+        assert len(registry) == 2
+
+    def test_trackers_with_their_own_construction_use_the_class(
+        self,
+    ) -> None:
+        """A class the compiled constructor cannot mimic is built by the
+        class itself: an init hook, a factory of its own, a default its
+        validator refuses (the class raises, as it always did)."""
+        built: list[str] = []
+
+        @define_tracker
+        class Hooked(Tracker[JobState]):
+            state: JobState = JobState.WAITING
+
+            def __attrs_post_init__(self) -> None:
+                built.append(self.req_id)
+
+        @define_tracker
+        class OwnFactory(Tracker[JobState]):
+            state: JobState = JobState.WAITING
+            ids: list[int] = attrs.field(factory=lambda: [7])
+
+        @define_tracker
+        class BadDefault(Tracker[JobState]):
+            state: JobState = JobState.WAITING
+            tries: int = attrs.field(default=-1, validator=check_count)
+
+        for cls in (Hooked, OwnFactory, BadDefault):
+            assert compiled_factory(cls) is None, cls
+        assert Registry(_machine(), Hooked)._factory is Hooked
+        Registry(_machine(), Hooked).get_or_create("h")
+        assert built == ["h"]
+        assert Registry(_machine(), OwnFactory).get_or_create("o").ids == [7]
+        with pytest.raises(ValueError, match="non-negative"):
+            Registry(_machine(), BadDefault).get_or_create("b")
 
     def test_the_base_tracker_is_minimal(self) -> None:
         assert [f.name for f in attrs.fields(Tracker)] == [

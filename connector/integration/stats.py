@@ -31,8 +31,9 @@ worker half loaded and saved.
 A half may run several lifecycle tables (the scheduler half also runs the
 admission lookups, `connector.scheduler.admission.LOOKUPS`).  Counts of
 the KV table (`KV_TABLE`) are keyed ``"STATE/event"``; those of any other
-table ``"<table>:STATE/event"`` (``"admission-lookup:ASKED/send"``), and
-Prometheus carries the table's name in a ``table`` label.
+table ``"<table>:STATE/event"``
+(``"admission-lookup:IN_FLIGHT/answer"``), and Prometheus carries the
+table's name in a ``table`` label.
 """
 
 from __future__ import annotations

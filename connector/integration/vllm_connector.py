@@ -309,7 +309,11 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def scheduler_side(self) -> SchedulerSide:
-        """The scheduler half (scheduler role only)."""
+        """The scheduler half (scheduler role only).
+
+        The per-request hooks read ``self._scheduler`` first and this
+        property only to raise (one call less per hook).
+        """
         if self._scheduler is None:
             msg = "not a scheduler-role connector"
             raise RuntimeError(msg)
@@ -331,21 +335,21 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request: Any) -> None:
         """Track the request from NEW (vLLM #56780: abort before lookup)."""
-        self.scheduler_side.on_new_request(request)
+        (self._scheduler or self.scheduler_side).on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Longest stored prefix beyond the local hit; loaded async."""
-        return self.scheduler_side.get_num_new_matched_tokens(
-            request, num_computed_tokens
-        )
+        return (
+            self._scheduler or self.scheduler_side
+        ).get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
         """Blocks allocated; `num_external_tokens == 0` means do not load."""
-        self.scheduler_side.update_state_after_alloc(
+        (self._scheduler or self.scheduler_side).update_state_after_alloc(
             request, blocks, num_external_tokens
         )
 
@@ -354,14 +358,18 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> LifecycleConnectorMetadata:
         """Called once per `schedule()`: the step's events and jobs."""
         return LifecycleConnectorMetadata(
-            self.scheduler_side.build_connector_meta(scheduler_output)
+            (self._scheduler or self.scheduler_side).build_connector_meta(
+                scheduler_output
+            )
         )
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Called once when vLLM finishes a request, in any state."""
-        return self.scheduler_side.request_finished(request, block_ids)
+        return (self._scheduler or self.scheduler_side).request_finished(
+            request, block_ids
+        )
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -378,7 +386,9 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Settle job results; pass on only expected receive completions."""
-        self.scheduler_side.update_connector_output(connector_output)
+        (self._scheduler or self.scheduler_side).update_connector_output(
+            connector_output
+        )
 
     def has_pending_push_work(self) -> bool:
         """Saves still pin blocks: keep the engine stepping."""

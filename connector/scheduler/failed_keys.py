@@ -187,7 +187,8 @@ class FailedKeys:
                 count, since = self._loading.pop(key, (0, 0.0))
                 if count > 1:
                     self._loading[key] = (count - 1, since)
-        self.record(failed)
+        if failed:
+            self.record(failed)
         if self.peers is not None:
             if failed:
                 self.peers.failed(failed)  # type: ignore[arg-type]
@@ -206,6 +207,8 @@ class FailedKeys:
         first miss) is, the master has forgotten it: so is the entry.
         """
         found = max(0, min(found, len(keys)))
+        if not self._until and not self._loading:
+            return found  # nothing remembered, nothing loading
         with self._lock:
             now = self._clock()
             self._expire(now)

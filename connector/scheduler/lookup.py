@@ -92,23 +92,27 @@ def batching(lookup: Any) -> BatchLookup:
 class PendingLookup:
     """One lookup as the lookup thread sees it: a message and its answer.
 
-    Where the lookup stands (asked, in flight, answered, dropped) is the
-    state of its tracker (`connector.scheduler.admission`); this record
-    only carries the question and, once `done`, the answer.
+    Where the lookup stands (asked, answered, dropped) is the state of
+    its tracker (`connector.scheduler.admission`); this record only
+    carries the question and, once `done`, the answer.
 
     Attributes:
         req_id: The request.
         tracker: The lookup's tracker (None in tests of this module).
-        epoch: The tracker's epoch when the lookup was sent: once the
-            tracker moved on (superseded, dropped), the answer is stale
-            and the thread skips it if it has not asked yet.
+        epoch: The tracker's epoch while it waits for this answer: once
+            the tracker moved on (superseded, dropped), the answer is
+            stale and the thread skips it if it has not asked yet.
         hashes: The block hashes asked about.
         deadline: Clock time past which nobody waits for it.
         batch: `AsyncLookups.batches` when it started (sent at the end
             of that step, as batch number `batch + 1`).
+        key: What the answer is about, for the tracker (the scheduler
+            half's (request epoch, blocks asked)).
+        at: Clock time it started (`deadline` less the timeout).
         found: Leading blocks stored (valid once `done`).
         done: Set by the lookup thread once `found` is final.
         expired: The thread skipped it (deadline passed, never sent).
+        taken: The scheduler half took the answer (scheduler thread).
     """
 
     req_id: str
@@ -117,9 +121,12 @@ class PendingLookup:
     hashes: tuple[bytes, ...]
     deadline: float
     batch: int = 0
+    key: tuple[int, int] = (-1, -1)
+    at: float = 0.0
     found: int = 0
     done: bool = False
     expired: bool = False
+    taken: bool = False
 
     @property
     def stale(self) -> bool:
@@ -137,7 +144,7 @@ class AsyncLookups:
     """Batches one step's lookups into store calls on a thread.
 
     One call per `CHUNK` lookups: a step's lookups usually take one; a
-    full chunk is sent by `start` itself.
+    full chunk is sent by `queue` itself.
 
     Args:
         lookup: Returns the object that answers a batch; called at every
@@ -146,16 +153,15 @@ class AsyncLookups:
         threaded: Run batches on a daemon thread (the default).  False
             leaves them queued until `run_pending` (deterministic tests).
         clock: Monotonic seconds.
-        on_send: Called on the scheduler thread with each batch as it is
-            handed to the lookup thread.
         handoff_s: Longest the scheduler thread waits for the lookup
             thread's signal after sending it work (0: never waits).
 
-    Thread safety: `start`, `dispatch`, `take_completed` and `close` are
-    called from the scheduler thread only; the lookup thread only writes
-    `found`, `done` and `expired` of queued lookups and appends them to
-    the completed queue (a `collections.deque`, atomic under the GIL);
-    it reads a lookup's tracker epoch only to skip a stale one.
+    Thread safety: `message`, `queue`, `start`, `dispatch`,
+    `take_completed` and `close` are called from the scheduler thread
+    only; the lookup thread only writes `found`, `done` and `expired` of
+    queued lookups and appends them to the completed queue (a
+    `collections.deque`, atomic under the GIL); it reads a lookup's
+    tracker epoch only to skip a stale one.
     """
 
     def __init__(
@@ -165,11 +171,9 @@ class AsyncLookups:
         timeout_s: float,
         threaded: bool = True,
         clock: Callable[[], float] = time.monotonic,
-        on_send: Callable[[list[PendingLookup]], None] | None = None,
         handoff_s: float = HANDOFF_S,
     ) -> None:
         self._lookup = lookup
-        self._on_send = on_send
         self.handoff_s = handoff_s
         # Set by the lookup thread each time it holds the GIL for a
         # batch: before a store call, and once answers are posted.
@@ -197,24 +201,44 @@ class AsyncLookups:
 
     # -- scheduler thread ---------------------------------------------------
 
-    def start(
-        self, req_id: str, tracker: Any, epoch: int, hashes: Sequence[bytes]
+    def message(
+        self,
+        req_id: str,
+        tracker: Any,
+        epoch: int,
+        hashes: Sequence[bytes],
+        key: tuple[int, int] = (-1, -1),
     ) -> PendingLookup:
-        """Queue a lookup into this step's batch (sent by `dispatch`).
+        """A lookup starting now, not yet queued (see `queue`).
 
         `epoch` is the epoch `tracker` will have while it waits for this
         answer (see `PendingLookup.stale`).
         """
-        pending = PendingLookup(
+        now = self.clock()
+        return PendingLookup(
             req_id,
             tracker,
             epoch,
             tuple(hashes),
-            self.clock() + self.timeout_s,
-            batch=self.batches,
+            now + self.timeout_s,
+            self.batches,
+            key,
+            now,
         )
-        self._batch.append(pending)
-        if len(self._batch) >= CHUNK:
+
+    def start(
+        self, req_id: str, tracker: Any, epoch: int, hashes: Sequence[bytes]
+    ) -> PendingLookup:
+        """`message` and `queue` in one."""
+        pending = self.message(req_id, tracker, epoch, hashes)
+        self.queue(pending)
+        return pending
+
+    def queue(self, pending: PendingLookup) -> None:
+        """Queue `pending` into this step's batch (sent by `dispatch`)."""
+        batch = self._batch
+        batch.append(pending)
+        if len(batch) >= CHUNK:
             # A burst: send what fills a store call now, and hand the
             # thread the GIL until it signals it is in the store call,
             # so the store answers while this step is still being
@@ -222,7 +246,6 @@ class AsyncLookups:
             # interval).
             self.dispatch()
             self._yield()
-        return pending
 
     def dispatch(self) -> int:
         """Hand this step's lookups to the lookup thread; how many."""
@@ -231,8 +254,6 @@ class AsyncLookups:
             return 0
         self._batch = []
         self.batches += 1
-        if self._on_send is not None:
-            self._on_send(batch)
         with self._idle:
             self._running += 1
         with self._wake:

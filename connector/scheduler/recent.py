@@ -108,9 +108,20 @@ class RecentBlocks:
         prefix cannot reach past a block in it that is absent.  One dict
         lookup per block; none while nothing is remembered.
         """
-        if not self._misses:
+        misses = self._misses
+        if not misses:
             return False
-        return any(self.absent(h) for h in block_hashes)
+        now = None
+        for h in block_hashes:  # `absent`, inline (once per ask)
+            until = misses.get(h)
+            if until is None:
+                continue
+            if now is None:
+                now = self.clock()
+            if until > now:
+                return True
+            del misses[h]
+        return False
 
     # -- own saves ------------------------------------------------------------
 
@@ -121,14 +132,18 @@ class RecentBlocks:
             for h in block_hashes:
                 misses.pop(h, None)
 
-    def saved(self, block_hashes: Iterable[bytes]) -> None:
+    def saved(self, block_hashes: Sequence[bytes]) -> None:
         """The store now holds these blocks (a save or a load succeeded)."""
         misses, saved = self._misses, self._saved
-        for h in block_hashes:
-            if misses:
+        if misses:
+            for h in block_hashes:
                 misses.pop(h, None)
-            saved[h] = None
-            saved.move_to_end(h)
+        before = len(saved)
+        saved.update(dict.fromkeys(block_hashes))
+        if len(saved) - before != len(block_hashes):
+            # Some were remembered already: they are the newest now.
+            for h in block_hashes:
+                saved.move_to_end(h)
         while len(saved) > self.capacity:
             saved.popitem(last=False)
 

@@ -52,7 +52,7 @@ from connector.groups import KVGroups
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from connector.scheduler.admission import (
     LOOKUPS,
-    Ask,
+    Known,
     LookupEvent,
     LookupState,
     LookupTracker,
@@ -122,9 +122,21 @@ class Role(enum.Enum):
         return self is not Role.CONSUMER
 
 
-def _status_name(request: Any) -> str:
+# Whether each enum status (vLLM's `RequestStatus` members) is an abort:
+# a member's name is a property, too slow to read at every finish.
+_ABORT_BY_STATUS: Final[dict[enum.Enum, bool]] = {}
+
+
+def _aborted(request: Any) -> bool:
+    """Whether vLLM finished `request` with an abort or an error."""
     status = getattr(request, "status", None)
-    return str(getattr(status, "name", status))
+    if isinstance(status, enum.Enum):
+        aborted = _ABORT_BY_STATUS.get(status)
+        if aborted is None:
+            aborted = status.name in _ABORT_STATUSES
+            _ABORT_BY_STATUS[status] = aborted
+        return aborted
+    return str(getattr(status, "name", status)) in _ABORT_STATUSES
 
 
 class SchedulerSide:
@@ -137,7 +149,9 @@ class SchedulerSide:
             `hit_blocks_many` to answer a step's lookups in one call).
             Only the lookup thread calls it.
         world_size: Ranks that must report a job before it is settled.
-        machine: The lifecycle machine (strict in tests).
+        machine: The lifecycle machine (strict in tests).  The default
+            takes no lock: every event of the half comes from vLLM's
+            scheduler thread.
         lookup_timeout_s: Longest a request is held back for its lookup.
         max_pending: Most requests held back for lookups at once.
         threaded_lookups: Run lookups on a thread (False: only when
@@ -179,7 +193,10 @@ class SchedulerSide:
         self.save_decode = save_decode
         self.world_size = world_size
         self.groups = groups or KVGroups.single(block_size)
-        self.machine: KVMachine = machine or LifecycleMachine(REQUESTS)
+        # The lookup thread only fills in its messages' answers.
+        self.machine: KVMachine = machine or LifecycleMachine(
+            REQUESTS, thread_safe=False
+        )
         lookup_row = self.machine.table.get(State.NEW, Event.LOOKUP)
         if lookup_row is None or not lookup_row.after:
             msg = (
@@ -204,7 +221,6 @@ class SchedulerSide:
             timeout_s=lookup_timeout_s,
             threaded=threaded_lookups,
             clock=clock,
-            on_send=self._sent,
         )
         # A scheduler half dropped without `close()` stops its thread.
         weakref.finalize(self, self.lookups.close, 0.0)
@@ -215,7 +231,11 @@ class SchedulerSide:
         ] = LifecycleMachine(
             LOOKUPS, strict=self.machine.strict, thread_safe=False
         )
-        self.lookup_registry = Registry(self.lookup_machine, LookupTracker)
+        # A late answer reaches its lookup through the message's tracker,
+        # never by request id: a reused id's lookup needs no epoch floor.
+        self.lookup_registry = Registry(
+            self.lookup_machine, LookupTracker, continue_epochs=False
+        )
         self._busy = 0  # lookups asked and not yet answered or dropped
         # Answered requests whose answer is short, oldest first: the
         # order refreshes are due in.  Each entry is checked against its
@@ -290,7 +310,7 @@ class SchedulerSide:
         asked = Asked(request, num_computed_tokens, self.generation)
         if not self.registry.fire_on(tracker, Event.LOOKUP, data=asked):
             return 0, False
-        hit = self._hit_tokens(tracker, request.num_tokens)
+        hit = self._hit_tokens(tracker, tracker.num_tokens)
         if hit is None:
             return None, False
         external = max(hit - num_computed_tokens, 0)
@@ -304,15 +324,15 @@ class SchedulerSide:
         if tracker is None:
             self.machine.unknown(request.request_id, Event.ALLOC_LOCAL)
             return
-        self._admitted(tracker.req_id)
         if num_external_tokens <= 0:
             self.registry.fire_on(tracker, Event.ALLOC_LOCAL)
-            return
-        allocated = Allocated(blocks.get_block_ids(), num_external_tokens)
-        if self.registry.fire_on(
-            tracker, Event.ALLOC_EXTERNAL, data=allocated
-        ):
-            self._loads_to_issue.append(tracker)
+        else:
+            allocated = Allocated(blocks.get_block_ids(), num_external_tokens)
+            if self.registry.fire_on(
+                tracker, Event.ALLOC_EXTERNAL, data=allocated
+            ):
+                self._loads_to_issue.append(tracker)
+        self._admitted(tracker)
 
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
         """Fold one scheduling step into lifecycle events and transfer jobs."""
@@ -340,7 +360,7 @@ class SchedulerSide:
             if tracker.state is State.RESET:
                 # Model runner v2 sends a resumed request as a new one.
                 self.registry.fire_on(tracker, Event.RESUME)
-            self._set_tables(tracker, new.block_ids)
+            set_tables(tracker, new.block_ids)
             done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._maybe_save(tracker, done, jobs)
             if (
@@ -473,11 +493,13 @@ class SchedulerSide:
         its single receive completion (DRAINING).
         """
         del block_ids  # empty after preemption; saves pinned their own
-        abort = _status_name(request) in _ABORT_STATUSES
-        self._end_lookup(request.request_id, "ended")
-        self.registry.fire(
-            request.request_id, Event.ABORT if abort else Event.FINISH
-        )
+        abort = _aborted(request)
+        req_id = request.request_id
+        if req_id in self.lookup_registry:  # admitted ones have none
+            self._end_lookup(req_id, "ended")
+        else:
+            self._refresh_queue.pop(req_id, None)
+        self.registry.fire(req_id, Event.ABORT if abort else Event.FINISH)
         return False, None
 
     def update_connector_output(self, output: Any) -> None:
@@ -594,8 +616,12 @@ class SchedulerSide:
                 if lookup.state is LookupState.DROPPED:  # refused: a miss
                     return 0
                 if lookup.state not in _ANSWERED:
-                    return found  # None while asked or in flight
-            self._refresh(lookup)
+                    return found  # None while in flight
+            if (
+                lookup.state is LookupState.REFRESHING
+                or lookup.hit_tokens < asked * bs  # short: kept fresh
+            ):
+                self._refresh(lookup)
             return lookup.hit_tokens
         return self._ask(tracker, lookup, key, local)
 
@@ -613,14 +639,35 @@ class SchedulerSide:
         key: tuple[int, int],
         tokens: int,
     ) -> LookupTracker:
-        """An answer known without asking the store: cache it."""
+        """An answer known without asking: cache it."""
         if lookup is None:
             lookup = self._new_lookup(tracker)
         self._fire_lookup(
-            lookup, LookupEvent.ASK, data=Ask(key, self.lookups.clock())
+            lookup,
+            LookupEvent.KNOW,
+            data=Known(key, self.lookups.clock(), tokens),
         )
-        self._fire_lookup(lookup, LookupEvent.ANSWER, data=tokens)
         return lookup
+
+    def _send(
+        self,
+        lookup: LookupTracker,
+        event: LookupEvent,
+        key: tuple[int, int],
+        hashes: Any,
+    ) -> None:
+        """Ask the store about `hashes` for `lookup` (``ask``/``refresh``).
+
+        The message carries the epoch the event moves the tracker to; it
+        is queued for the lookup thread only if the event applied.
+        """
+        pending = self.lookups.message(
+            lookup.req_id, lookup, lookup.epoch + 1, hashes, key
+        )
+        was = lookup.state in _BUSY  # `_fire_lookup`, inline (every ask)
+        if self.lookup_registry.fire_on(lookup, event, data=pending):
+            self._busy += (lookup.state in _BUSY) - was
+            self.lookups.queue(pending)
 
     def _local_hit(
         self,
@@ -673,39 +720,22 @@ class SchedulerSide:
             return 0
         if lookup is None:
             lookup = self._new_lookup(tracker)
-        self._fire_lookup(
-            lookup, LookupEvent.ASK, data=Ask(key, self.lookups.clock())
-        )
-        self.lookups.start(
-            tracker.req_id,
-            lookup,
-            lookup.epoch,
-            tracker.block_hashes[: key[1]],
+        self._send(
+            lookup, LookupEvent.ASK, key, tracker.block_hashes[: key[1]]
         )
         self.lookup_counts["started"] += 1
         return None
-
-    def _sent(self, batch: list[PendingLookup]) -> None:
-        """The lookup thread took `batch`: its lookups are in flight."""
-        for pending in batch:
-            lookup = pending.tracker
-            if lookup is not None and lookup.epoch == pending.epoch:
-                self._fire_lookup(lookup, LookupEvent.SEND, data=pending)
 
     def _await(self, lookup: LookupTracker) -> int | None:
         """The answer to the lookup asked for the current key.
 
         0 past its deadline (a miss), None while it is in flight.
         """
-        pending = lookup.pending
-        if pending is None:  # asked this step, not sent yet
-            deadline = lookup.at + self.lookups.timeout_s
-        elif self.lookups.handoff(pending):
+        pending: PendingLookup = lookup.pending
+        if self.lookups.handoff(pending):
             self._take(pending)
             return lookup.hit_tokens if lookup.state in _ANSWERED else None
-        else:
-            deadline = pending.deadline
-        if self.lookups.clock() < deadline:
+        if self.lookups.clock() < pending.deadline:
             return None
         self.lookup_counts["timed_out"] += 1
         self._fire_lookup(lookup, LookupEvent.TIME_OUT)
@@ -733,7 +763,7 @@ class SchedulerSide:
                 break
             del due[req_id]
             if lookup.state is LookupState.ANSWERED:
-                self._start_refresh(lookup, now)
+                self._start_refresh(lookup)
                 started += 1
 
     def _short(self, lookup: LookupTracker) -> bool:
@@ -747,16 +777,11 @@ class SchedulerSide:
             and lookup.key[0] == request.epoch
         )
 
-    def _start_refresh(self, lookup: LookupTracker, now: float) -> None:
-        self._fire_lookup(
-            lookup, LookupEvent.REFRESH, data=Ask(lookup.key, now)
-        )
+    def _start_refresh(self, lookup: LookupTracker) -> None:
         request: RequestTracker = lookup.request
-        self.lookups.start(
-            lookup.req_id,
-            lookup,
-            lookup.epoch,
-            request.block_hashes[: lookup.key[1]],
+        key = lookup.key
+        self._send(
+            lookup, LookupEvent.REFRESH, key, request.block_hashes[: key[1]]
         )
         self.lookup_counts["refreshed"] += 1
 
@@ -773,27 +798,35 @@ class SchedulerSide:
             if pending is not None and pending.done:
                 self._take(pending)
             return
-        now = self.lookups.clock()
         if (
             lookup.hit_tokens < lookup.key[1] * self.block_size
-            and now - lookup.at >= LOOKUP_REFRESH_S
+            and self.lookups.clock() - lookup.at >= LOOKUP_REFRESH_S
             and self._busy < self.max_pending
         ):
-            self._start_refresh(lookup, now)
+            self._start_refresh(lookup)
 
-    def _admitted(self, req_id: str) -> None:
-        """vLLM admitted the request: its lookup needs no refresh.
+    def _admitted(self, tracker: RequestTracker) -> None:
+        """vLLM allocated the request's blocks: its lookup needs no refresh.
 
-        An unanswered lookup is dropped (its late answer is stale); an
-        answer stays, for vLLM to ask again.
+        Once the request left the waiting states, its lookup is over
+        (``admit``): vLLM asks about it again only after a preemption,
+        under a new epoch, with a new lookup.  A preempted request
+        allocated on its local hit waits (RESET) until it resumes, and
+        vLLM may ask again meanwhile: its answer stays (``allocate``).
+        Either way a lookup in flight or refreshing is dropped (its late
+        answer is stale).
         """
+        req_id = tracker.req_id
         self._refresh_queue.pop(req_id, None)
         lookup = self.lookup_registry.get(req_id)
         if lookup is None:
             return
         if lookup.state in _BUSY:
             self.lookup_counts["superseded"] += 1
-        self._fire_lookup(lookup, LookupEvent.ADMIT)
+        waiting = tracker.state in _WAITING_STATES
+        self._fire_lookup(
+            lookup, LookupEvent.ALLOCATE if waiting else LookupEvent.ADMIT
+        )
 
     def _end_lookup(self, req_id: str, why: str) -> None:
         """The request ended (or its id was reused): drop its lookup.
@@ -823,12 +856,16 @@ class SchedulerSide:
         since makes it stale there) and answers the lookup, unless the
         failed-load memory defers it (a block of the hit is being loaded
         for another request: `connector.scheduler.failed_keys`); the
-        request is then asked for again.
+        request is then asked for again.  Taking it again (in the hook
+        that waited for it, then from the completed queue) is a no-op.
         """
+        if pending.taken:
+            return
+        pending.taken = True
         if (
             self._remember_misses
             and not pending.expired
-            and pending.found < pending.asked
+            and pending.found < len(pending.hashes)
         ):
             self.recent.missed(pending.hashes[pending.found])
         lookup: LookupTracker = pending.tracker
@@ -849,14 +886,7 @@ class SchedulerSide:
         found = self.found_blocks(pending)
         if found is None:
             self.lookup_counts["deferred"] += 1
-            self._fire_lookup(
-                lookup,
-                LookupEvent.ASK,
-                data=Ask(lookup.key, self.lookups.clock()),
-            )
-            self.lookups.start(
-                lookup.req_id, lookup, lookup.epoch, pending.hashes
-            )
+            self._send(lookup, LookupEvent.ASK, lookup.key, pending.hashes)
             return
         self._fire_lookup(
             lookup,
@@ -866,7 +896,7 @@ class SchedulerSide:
         )
         self.lookup_counts["answered"] += 1
         self._refresh_queue.pop(lookup.req_id, None)
-        if found < pending.asked:  # re-inserted last: oldest first
+        if found < len(pending.hashes):  # re-inserted last: oldest first
             self._refresh_queue[lookup.req_id] = lookup
 
     def found_blocks(self, pending: PendingLookup) -> int | None:

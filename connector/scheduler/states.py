@@ -75,6 +75,8 @@ class StateOffers:
         """
         if kind is not JobKind.SAVE:
             return None
+        if not self._offers:
+            return []  # none this step (always, without recurrent groups)
         offered = self._offers.pop(tracker.req_id, ())
         bs = self._block_size
         kept = [

@@ -115,7 +115,9 @@ def check_prometheus(b, payloads):
     assert (
         value(MetricName.STORE_KEYS, get) == seen.data["store"]["get"]["keys"]
     )
-    assert value(f"{MetricName.STORE_LATENCY}_count", get) == 1
+    gets = seen.data["store"]["get"]["ops"]
+    assert gets in {1, 2}  # two: a load split between segments
+    assert value(f"{MetricName.STORE_LATENCY}_count", get) == gets
 
 
 def test_stats_flow_through_the_real_scheduler_and_vllm_loggers(

@@ -11,6 +11,7 @@ vLLM 0.33's real scheduler.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 
@@ -564,11 +565,14 @@ def test_a_key_with_a_replica_elsewhere_never_reads_as_local(
                 owner.unregister(ptr)
 
 
+_Status = enum.Enum("_Status", "COMPLETE PROCESSING")
+
+
 class _Desc:
     """A ``ReplicaDescriptor`` double (status, kind, endpoint)."""
 
     def __init__(self, status, endpoint, *, memory=True):
-        self.status = type("S", (), {"name": status})()
+        self.status = _Status[status]
         self._memory = memory
         self._endpoint = endpoint
 

@@ -427,24 +427,18 @@ class StoreClient:
         peer's transport can write into its region later.  One master
         call (``batch_get_replica_desc``); it grants each stored key a
         read lease, so the replica is still there for the get that
-        follows.  False for every key on any error.
+        follows.  False for every key on any error, and without a call
+        for a client that owns no segment.
         """
         keys = list(keys)
-        if not keys:
-            return []
+        if not keys or self.config.global_segment_size <= 0:
+            return [False] * len(keys)  # no segment: nothing is local
         self._enter("local_reads")
         try:
-            ask = getattr(self._store, "batch_get_replica_desc", None)
-            if ask is None or not self.breaker.allow():
+            found = self._descriptors(keys)
+            if found is None:
                 return [False] * len(keys)
-            try:
-                found = ask(keys)
-                local = self._store.get_hostname()
-            except RuntimeError:
-                self.breaker.release()
-                log.warning("batch_get_replica_desc failed", exc_info=True)
-                return [False] * len(keys)
-            self.breaker.record(outage=False)
+            local = self._store.get_hostname()
             return [only_in(found.get(k, ()), local) for k in keys]
         finally:
             self._exit()
@@ -656,17 +650,29 @@ class StoreClient:
 
     def _replicas(self, keys: list[str]) -> list[tuple[Replica, ...]]:
         """`replicas` inside a call (entered, non-empty keys)."""
+        found = self._descriptors(keys)
+        if found is None:
+            return [()] * len(keys)
+        return [memory_replicas(found.get(k, ())) for k in keys]
+
+    def _descriptors(self, keys: list[str]) -> dict[str, Any] | None:
+        """The master's replica descriptors of `keys`, by key.
+
+        One ``batch_get_replica_desc`` call, inside a call (entered);
+        None when the client has no such call, the breaker is open, or
+        the call failed (logged).
+        """
         ask = getattr(self._store, "batch_get_replica_desc", None)
         if ask is None or not self.breaker.allow():
-            return [()] * len(keys)
+            return None
         try:
-            found = ask(keys)
+            found: dict[str, Any] = ask(keys)
         except RuntimeError:
             self.breaker.release()
             log.warning("batch_get_replica_desc failed", exc_info=True)
-            return [()] * len(keys)
+            return None
         self.breaker.record(outage=False)
-        return [memory_replicas(found.get(k, ())) for k in keys]
+        return found
 
     def _retry(
         self,

@@ -363,11 +363,8 @@ class SchedulerSide:
             set_tables(tracker, new.block_ids)
             done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._maybe_save(tracker, done, jobs)
-            if (
-                tracker.num_saved_tokens + self.block_size
-                <= tracker.num_prompt_tokens
-            ):
-                self._saving[new.req_id] = tracker  # a save is left
+            if self._prompt_save_left(tracker):
+                self._saving[new.req_id] = tracker
         cached = so.scheduled_cached_reqs
         if self.save_decode:
             self._cached_reqs(cached, scheduled, jobs)
@@ -419,7 +416,7 @@ class SchedulerSide:
         """
         if tracker.req_id in resumed:
             self.registry.fire_on(tracker, Event.RESUME)
-            self._set_tables(tracker, new_ids or ())
+            set_tables(tracker, new_ids or ())
         elif new_ids:
             tracker.block_ids.extend(new_ids[0])
             for table, ids in zip(
@@ -470,11 +467,7 @@ class SchedulerSide:
         if at is not None:
             new_ids = cached.new_block_ids[at]
             self._new_blocks(tracker, new_ids, cached.resumed_req_ids)
-        if (
-            tracker.num_saved_tokens + self.block_size
-            > tracker.num_prompt_tokens
-            or tracker.generation != self.generation
-        ):
+        if not self._prompt_save_left(tracker):
             return False
         if at is not None:
             done = cached.num_computed_tokens[at]
@@ -482,6 +475,18 @@ class SchedulerSide:
                 tracker, done + scheduled.get(tracker.req_id, 0), jobs
             )
         return True
+
+    def _prompt_save_left(self, tracker: RequestTracker) -> bool:
+        """Whether a prompt block of `tracker` is still to be saved.
+
+        Not after a cache reset since its lookup (its generation is not
+        ours): its KV may come from the old weights.
+        """
+        return (
+            tracker.generation == self.generation
+            and tracker.num_saved_tokens + self.block_size
+            <= tracker.num_prompt_tokens
+        )
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -664,9 +669,7 @@ class SchedulerSide:
         pending = self.lookups.message(
             lookup.req_id, lookup, lookup.epoch + 1, hashes, key
         )
-        was = lookup.state in _BUSY  # `_fire_lookup`, inline (every ask)
-        if self.lookup_registry.fire_on(lookup, event, data=pending):
-            self._busy += (lookup.state in _BUSY) - was
+        if self._fire_lookup(lookup, event, data=pending):
             self.lookups.queue(pending)
 
     def _local_hit(
@@ -922,10 +925,6 @@ class SchedulerSide:
                 self.registry.fire_on(tracker, Event.RESET)
                 preempted.append((req_id, tracker.epoch))
         return preempted
-
-    def _set_tables(self, tracker: RequestTracker, tables: Any) -> None:
-        """Replace the tracker's block tables (one per KV cache group)."""
-        set_tables(tracker, tables)
 
     def _new_job(
         self, kind: JobKind, tracker: RequestTracker, first: int, last: int

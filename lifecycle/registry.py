@@ -181,6 +181,8 @@ class Registry(Padded, Generic[S, E, T, D]):
         """
         tracker = self._trackers.get(req_id)
         if tracker is None:
+            if self._lock is None:  # one thread: no race to re-check
+                return self._add(req_id)
             tracker = self._create(req_id)
         return tracker
 
@@ -287,7 +289,10 @@ class Registry(Padded, Generic[S, E, T, D]):
         """
         applied = self._fire(tracker, event, epoch=epoch, data=data)
         if applied and tracker.state in self._terminal:
-            self._drop(tracker)
+            if self._lock is None:
+                self._remove(tracker)
+            else:
+                self._drop(tracker)
         return applied
 
     def _drop(self, tracker: T) -> None:

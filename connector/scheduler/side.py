@@ -669,7 +669,9 @@ class SchedulerSide:
         pending = self.lookups.message(
             lookup.req_id, lookup, lookup.epoch + 1, hashes, key
         )
-        if self._fire_lookup(lookup, event, data=pending):
+        was = lookup.state in _BUSY  # `_fire_lookup`, inline (every ask)
+        if self.lookup_registry.fire_on(lookup, event, data=pending):
+            self._busy += (lookup.state in _BUSY) - was
             self.lookups.queue(pending)
 
     def _local_hit(

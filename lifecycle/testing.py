@@ -183,19 +183,56 @@ def shortest_paths(table: Table[S, E, Any]) -> dict[S, tuple[E, ...]]:
     }
 
 
+def _alternatives(
+    table: Table[Any, Any, Any], row: Row[Any, Any, Any]
+) -> bool:
+    """Whether `row` shares its (source, event) with other rows."""
+    return len(table.rows_for(row.source, row.event)) > 1
+
+
 def _setup_for(setups: SetUps | None, row: Row[Any, Any, Any]) -> SetUp | None:
+    """The set-up `row` is fired with, None for none.
+
+    A guarded row takes the set-up given for it or for its source state;
+    the unguarded last alternative of guarded rows only one given for the
+    row itself (a state's set-up makes some guard pass, the opposite of
+    what that row needs).
+    """
     if not setups:
         return None
     found = setups.get(row)
-    return setups.get(row.source) if found is None else found
+    if found is not None or row.guard is None:
+        return found
+    return setups.get(row.source)
 
 
-def _unreached(row: Row[Any, Any, Any], tracker: Any, why: str) -> str:
+def _unreached(
+    row: Row[Any, Any, Any], tracker: Any, why: str, *, hint: bool = True
+) -> str:
+    kind = (
+        "guarded row"
+        if row.guard is not None
+        else "the unguarded last alternative"
+    )
+    where = (
+        f"<row or {row.source.name}>"
+        if row.guard is not None
+        else "<this row>"
+    )
+    need = (
+        "makes its guard pass"
+        if row.guard is not None
+        else "makes every earlier alternative's guard refuse"
+    )
+    text = (
+        f"{kind} `{row}` was not reached ({why}; tracker: "
+        f"{attrs.asdict(tracker, recurse=False)})"
+    )
+    if not hint:
+        return text
     return (
-        f"guarded row `{row}` was not reached ({why}; tracker: "
-        f"{attrs.asdict(tracker, recurse=False)}): supply a set-up that "
-        f"makes its guard pass, table_tests(..., setups={{<row or "
-        f"{row.source.name}>: fn(tracker, row) -> data}})"
+        f"{text}: supply a set-up that {need}, table_tests(..., "
+        f"setups={{{where}: fn(tracker, row) -> data}})"
     )
 
 
@@ -204,21 +241,29 @@ def _fire_row(
     tracker: Any,
     row: Row[Any, Any, Any],
     setups: SetUps | None,
+    *,
+    hint: bool = True,
 ) -> None:
-    """Fire `row`'s event so that `row` applies, or fail naming it."""
-    setup = _setup_for(setups, row) if row.guard is not None else None
+    """Fire `row`'s event so that `row` applies, or fail naming it.
+
+    `hint` adds how to fix it with ``setups=`` (off where the caller
+    chooses the data itself, e.g. the reachability test's routes).
+    """
+    table = machine.table
+    chosen = _alternatives(table, row)
+    setup = _setup_for(setups, row) if chosen else None
     data = setup(tracker, row) if setup is not None else None
-    index = next(i for i, r in enumerate(machine.table.rows) if r is row)
+    index = next(i for i, r in enumerate(table.rows) if r is row)
     before = machine.row_counts()[index]
     if not machine.fire(tracker, row.event, data=data):
         raise AssertionError(
-            _unreached(row, tracker, "the event was refused")
-            if row.guard is not None
+            _unreached(row, tracker, "the event was refused", hint=hint)
+            if chosen
             else f"row `{row}` was refused for {tracker.req_id}"
         )
     if machine.row_counts()[index] != before + 1:
         raise AssertionError(
-            _unreached(row, tracker, "another alternative applied")
+            _unreached(row, tracker, "another alternative applied", hint=hint)
         )
 
 
@@ -229,17 +274,19 @@ def tracker_in(
     *,
     req_id: Any = "req-under-test",
     setups: SetUps | None = None,
+    hint: bool = True,
 ) -> T:
     """A fresh tracker from `factory` driven to `state` by its shortest path.
 
-    Guarded rows on the path run their set-up from `setups` first.
+    Rows on the path that have alternatives run their set-up from
+    `setups` first (`hint`: failures say how to fix them with set-ups).
 
     Raises:
         AssertionError: a row on the path did not apply (naming it).
     """
     tracker = factory(req_id)
     for row in shortest_row_paths(machine.table)[state]:
-        _fire_row(machine, tracker, row, setups)
+        _fire_row(machine, tracker, row, setups, hint=hint)
     return tracker
 
 
@@ -458,7 +505,9 @@ def table_tests(  # noqa: C901 - one class of small tests
 
     Registry(LifecycleMachine(table), factory).get_or_create(key)
     structure = table.without_callbacks()
-    routes = {r: _route for r in structure.rows if r.guard is not None}
+    # Every alternative routes by its destination, the unguarded last one
+    # too: its data must make the earlier (routed) guards refuse.
+    routes = {r: _route for r in structure.rows if _alternatives(structure, r)}
     guarded = [r for r in table.rows if r.guard is not None]
 
     class GeneratedTableTests:
@@ -493,7 +542,12 @@ def table_tests(  # noqa: C901 - one class of small tests
             assert set(shortest_paths(table)) == set(table.states)
             for state in table.states:
                 tracker = tracker_in(
-                    state, machine, factory, setups=routes, req_id=key
+                    state,
+                    machine,
+                    factory,
+                    setups=routes,
+                    req_id=key,
+                    hint=False,
                 )
                 assert tracker.state is state
 

@@ -8,6 +8,7 @@ only cold blocks spill to disk.
 from __future__ import annotations
 
 import enum
+import logging
 from typing import Any
 
 import pytest
@@ -103,3 +104,31 @@ class TestUnguardedLastAlternative:
         block = Block(1, room=0)
         assert machine.fire(block, V.PLACE)
         assert block.state is T.COLD
+
+
+class TestGeneratedTestsIgnoreLogging:
+    """Point 7: check_case checks counters, not log records."""
+
+    def test_logging_disabled_everywhere(self) -> None:
+        from lifecycle.testing import check_case, matrix  # noqa: PLC0415
+
+        illegal = [c for c in matrix(TIERS) if not c.legal]
+        assert illegal
+        logging.disable(logging.CRITICAL)
+        try:
+            for case in illegal:
+                check_case(case, TIERS, Block, {PLACE_COLD: no_room}, key=1)
+        finally:
+            logging.disable(logging.NOTSET)
+
+    def test_an_uncounted_illegal_event_still_fails(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from lifecycle.testing import Case, check_case  # noqa: PLC0415
+
+        def quiet(_self: object, _tracker: object, _event: object) -> bool:
+            return False
+
+        monkeypatch.setattr(LifecycleMachine, "_illegal", quiet)
+        with pytest.raises(AssertionError, match="illegal count not 1"):
+            check_case(Case(T.GONE, V.DROP, None), TIERS, Block, key=1)

@@ -130,7 +130,8 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
     Args:
         table: The transition table.
         strict: Raise `IllegalTransition` on an illegal ordering,
-            `GuardRefused` when every guard refuses, and re-raise what a
+            `GuardRefused` when every guard refuses (except the table's
+            ``expected_refusals``, never raised), and re-raise what a
             callback raised, instead of the logged, counted no-op.  For
             tests.
         thread_safe: Hold a lock for each transition (the default).  Only
@@ -179,13 +180,15 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
     Returns:
         True if a row applied.  False for an illegal ordering (tracker
         unchanged, counted, logged at a bounded rate), a stale event, an
-        event every guard refused (counted in `guard_counts`, logged at a
-        bounded rate), or a callback that raised (state and epoch
+        event every guard refused (counted in `guard_counts`, logged at
+        INFO at a bounded rate; at DEBUG for the table's
+        ``expected_refusals``), or a callback that raised (state and epoch
         restored, counted, logged).
 
     Raises:
         IllegalTransition: in strict mode, for an illegal ordering.
-        GuardRefused: in strict mode, when every guard refused.
+        GuardRefused: in strict mode, when every guard refused (not for
+            the table's ``expected_refusals``).
         Exception: in strict mode, what a callback or guard raised.
         ReentrantFire: called from a callback, guard or observer.
         TypeError: `event` is not an event of the table.
@@ -215,6 +218,10 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         self._illegal_log = RateLimitedLog(logger, log_interval)
         self._refused_log = RateLimitedLog(logger, log_interval, logging.INFO)
         self._stale_log = RateLimitedLog(logger, log_interval, logging.DEBUG)
+        self._expected_log = RateLimitedLog(
+            logger, log_interval, logging.DEBUG
+        )
+        self._expected_refusals = table.expected_refusals
         self._error_log = RateLimitedLog(logger, log_interval, logging.ERROR)
         self._observers: tuple[Observer[T, S, E], ...] = ()
         self._reject_observers: tuple[RejectObserver[S, E], ...] = ()
@@ -454,6 +461,13 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
             observer(
                 tracker.req_id, tracker.epoch, state, event, None, REFUSED
             )
+        if (state, event) in self._expected_refusals:
+            self._expected_log.emit(
+                ("expected", state, event),
+                "lifecycle event declined by its guards (expected):",
+                self._fields(tracker, state, event),
+            )
+            return
         if self.strict:
             raise GuardRefused(
                 state,

@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from lifecycle import LifecycleMachine, Row, Table, Tracker, define_tracker
+from lifecycle import (
+    GuardRefused,
+    InvalidTable,
+    LifecycleMachine,
+    Row,
+    Table,
+    Tracker,
+    define_tracker,
+)
 from lifecycle.testing import check_row, table_tests
 
 
@@ -132,3 +140,125 @@ class TestGeneratedTestsIgnoreLogging:
         monkeypatch.setattr(LifecycleMachine, "_illegal", quiet)
         with pytest.raises(AssertionError, match="illegal count not 1"):
             check_case(Case(T.GONE, V.DROP, None), TIERS, Block, key=1)
+
+
+# -- point 2: expected refusals ---------------------------------------------
+
+
+class Slot(enum.Enum):
+    FREE = "free"
+    USED = "used"
+    IDLE = "idle"
+
+
+class SlotEvent(enum.Enum):
+    TAKE = "take"
+    RELEASE = "release"
+    EVICT = "evict"
+
+
+@define_tracker
+class SlotBlock(Tracker[Slot, int]):
+    state: Slot = Slot.FREE
+    readers: int = 0
+
+
+def unused(block: SlotBlock, _data: object) -> bool:
+    return block.readers == 0
+
+
+def quota_left(_block: SlotBlock, data: object) -> bool:
+    return data != "over quota"
+
+
+L, LE = Slot, SlotEvent
+SLOT_ROWS = [
+    Row(L.FREE, LE.TAKE, L.USED, guard=quota_left),
+    Row(L.USED, LE.RELEASE, L.IDLE),
+    Row(L.IDLE, LE.TAKE, L.USED, guard=quota_left),
+    Row(L.IDLE, LE.EVICT, L.FREE, guard=unused),
+]
+SLOTS: Table[Slot, SlotEvent] = Table(
+    SLOT_ROWS,
+    initial=L.FREE,
+    terminal=(),
+    name="slots",
+    expected_refusals=[LE.EVICT],
+)
+
+
+class TestExpectedRefusals:
+    def _strict(self) -> LifecycleMachine[Slot, SlotEvent, SlotBlock]:
+        return LifecycleMachine(SLOTS, strict=True)
+
+    def test_an_expected_refusal_is_counted_traced_not_raised(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        machine = self._strict()
+        seen: list[tuple[Any, ...]] = []
+        machine.add_reject_observer(lambda *r: seen.append(r))
+        block = SlotBlock(1, state=L.IDLE, readers=2)
+        with caplog.at_level(logging.INFO, logger="lifecycle"):
+            assert machine.fire(block, LE.EVICT) is False
+        assert block.state is L.IDLE
+        assert machine.guard_counts[(L.IDLE, LE.EVICT)] == 1
+        assert seen == [(1, 0, L.IDLE, LE.EVICT, None, "refused")]
+        assert caplog.records == []  # DEBUG only: a normal outcome
+
+    def test_other_refusals_still_raise_in_strict_mode(self) -> None:
+        machine = self._strict()
+        with pytest.raises(GuardRefused):
+            machine.fire(SlotBlock(1), LE.TAKE, data="over quota")
+
+    def test_the_pairs_are_resolved_from_events(self) -> None:
+        assert SLOTS.expected_refusals == {(L.IDLE, LE.EVICT)}
+        assert SLOTS.is_expected_refusal(L.IDLE, LE.EVICT)
+        assert not SLOTS.is_expected_refusal(L.FREE, LE.TAKE)
+
+    @pytest.mark.parametrize(
+        "given",
+        [
+            [(L.USED, LE.RELEASE)],  # unguarded: never refused
+            [(L.FREE, LE.EVICT)],  # no row
+            [LE.RELEASE],  # no state where all its rows are guarded
+        ],
+        ids=["unguarded", "no-row", "event"],
+    )
+    def test_validated_when_the_table_is_built(self, given: Any) -> None:
+        with pytest.raises(InvalidTable) as info:
+            Table(
+                SLOT_ROWS,
+                initial=L.FREE,
+                terminal=(),
+                expected_refusals=given,
+            )
+        assert info.value.kinds == {"bad-expected-refusal"}
+
+    def test_fingerprints_of_tables_without_them_do_not_change(self) -> None:
+        plain = Table(SLOT_ROWS, initial=L.FREE, terminal=(), name="slots")
+        assert plain.fingerprint != SLOTS.fingerprint
+        assert SLOTS.without_callbacks().expected_refusals == {
+            (L.IDLE, LE.EVICT)
+        }
+
+    def test_diagrams_show_a_declined_event_not_a_state(self) -> None:
+        from lifecycle.render import (  # noqa: PLC0415
+            to_dot,
+            to_markdown,
+            to_mermaid,
+        )
+
+        dot = to_dot(SLOTS)
+        assert (
+            '"IDLE" -> "IDLE" [label="evict (declined)", style=dotted' in dot
+        )
+        assert "note right of IDLE : evict may be declined" in to_mermaid(
+            SLOTS
+        )
+        assert "Expected refusals" in to_markdown(SLOTS)
+        assert "declined" not in to_dot(
+            Table(SLOT_ROWS, initial=L.FREE, terminal=())
+        )
+
+
+TestSlots = table_tests(SLOTS, SlotBlock, examples=30, key=1)

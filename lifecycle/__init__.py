@@ -31,7 +31,12 @@ from lifecycle.errors import (
     TableProblem,
     UnknownRequest,
 )
-from lifecycle.machine import LifecycleMachine, Observer, RejectObserver
+from lifecycle.machine import (
+    LifecycleMachine,
+    Observer,
+    Outcome,
+    RejectObserver,
+)
 from lifecycle.registry import Registry, TrackerFactory
 from lifecycle.table import Row, Table
 from lifecycle.tracker import Tracker, define_tracker
@@ -43,6 +48,7 @@ __all__ = [
     "LifecycleError",
     "LifecycleMachine",
     "Observer",
+    "Outcome",
     "ReentrantFire",
     "Registry",
     "RejectObserver",

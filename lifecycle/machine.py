@@ -24,6 +24,8 @@ from collections import Counter
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol
 
+import attrs
+
 from lifecycle._counts import Counts
 from lifecycle._generic import Padded
 from lifecycle._ratelimit import RateLimitedLog
@@ -70,6 +72,34 @@ log: Final = logging.getLogger("lifecycle")
 ILLEGAL: Final = "illegal"
 STALE: Final = "stale"
 REFUSED: Final = "refused"
+APPLIED: Final = "applied"
+FAILED: Final = "failed"
+
+
+@attrs.frozen
+class Outcome(Generic[S, E]):
+    """What one `LifecycleMachine.fire_outcome` did, read under the lock.
+
+    Truthy exactly when a row applied (as `fire`'s bool).
+
+    Attributes:
+        kind: `APPLIED`, `ILLEGAL` (no row for the state), `STALE` (an
+            older epoch), `REFUSED` (every guard said no) or `FAILED` (a
+            guard or callback raised; state and epoch restored).
+        source: The state the event found (None for an unknown id).
+        state: The state after the event (None for an unknown id).
+        row: The row that applied (which guarded alternative), else None.
+        expected: A refusal the table lists in ``expected_refusals``.
+    """
+
+    kind: str
+    source: S | None
+    state: S | None
+    row: Row[S, E, Any] | None = None
+    expected: bool = False
+
+    def __bool__(self) -> bool:
+        return self.kind == APPLIED
 
 
 class Observer(Protocol[T_contra, S_contra, E_contra]):
@@ -389,6 +419,55 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         chosen = fire_locked if self.thread_safe else fire_unlocked
         chosen.__doc__ = "Apply `event` to `tracker`: `LifecycleMachine.fire`."
         return chosen
+
+    def fire_outcome(
+        self,
+        tracker: T,
+        event: E,
+        *,
+        epoch: int | None = None,
+        data: D | None = None,
+    ) -> Outcome[S, E]:
+        """`fire`, returning what happened instead of a bool.
+
+        The same step and policy (strict mode raises the same), read under
+        the machine's lock, so the row and state are the event's own even
+        while other threads fire.  A few counter reads dearer than `fire`,
+        which stays the bool hot path.
+        """
+        with self._lock:
+            source: S = tracker.state
+            pair = (source, event)
+            alts = self._dispatch.get(event, {}).get(source)
+            indices = () if alts is None else self._indices(alts)
+            counts = self._counts
+            before = [counts[i] for i in indices]
+            errors = self._callback_errors[pair]
+            if self.fire(tracker, event, epoch=epoch, data=data):
+                for i, n in zip(indices, before, strict=True):
+                    if counts[i] != n:
+                        return Outcome(
+                            APPLIED, source, tracker.state, self._rows[i]
+                        )
+            state: S = tracker.state
+            if epoch is not None and epoch != tracker.epoch:
+                return Outcome(STALE, source, state)
+            if alts is None:
+                return Outcome(ILLEGAL, source, state)
+            if self._callback_errors[pair] != errors:
+                return Outcome(FAILED, source, state)
+            return Outcome(
+                REFUSED,
+                source,
+                state,
+                expected=pair in self._expected_refusals,
+            )
+
+    @staticmethod
+    def _indices(compiled: _Compiled) -> tuple[int, ...]:
+        """The row indices of a compiled (state, event), in order."""
+        rest: tuple[_Alt, ...] = compiled[4] or ()
+        return (compiled[2], *(alt[2] for alt in rest))
 
     # -- the typed event API ----------------------------------------------
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, overload
 import attrs
 
 from lifecycle._generic import Padded
-from lifecycle.machine import LifecycleMachine
+from lifecycle.machine import ILLEGAL, LifecycleMachine, Outcome
 from lifecycle.tracker import (
     Tracker,
     check_tracker_class,
@@ -294,6 +294,30 @@ class Registry(Padded, Generic[S, E, T, D]):
             else:
                 self._drop(tracker)
         return applied
+
+    def fire_outcome(
+        self,
+        req_id: Hashable,
+        event: E,
+        *,
+        epoch: int | None = None,
+        data: D | None = None,
+    ) -> Outcome[S, E]:
+        """`fire`, returning the `Outcome` (`LifecycleMachine.fire_outcome`).
+
+        An untracked id is an illegal ordering (the policy applies):
+        ``Outcome(ILLEGAL, None, None)``.  A tracker that ended is dropped.
+        """
+        tracker = self._trackers.get(req_id)
+        if tracker is None:
+            self.machine.unknown(req_id, event)
+            return Outcome(ILLEGAL, None, None)
+        outcome = self.machine.fire_outcome(
+            tracker, event, epoch=epoch, data=data
+        )
+        if outcome and tracker.state in self._terminal:
+            self._drop(tracker)
+        return outcome
 
     def _drop(self, tracker: T) -> None:
         if self._lock is None:

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import enum
 import logging
+import sys
+import threading
 from typing import Any
 
 import pytest
 
 from lifecycle import (
     GuardRefused,
+    IllegalTransition,
     InvalidTable,
     LifecycleMachine,
+    Registry,
     Row,
     Table,
     Tracker,
@@ -262,3 +266,110 @@ class TestExpectedRefusals:
 
 
 TestSlots = table_tests(SLOTS, SlotBlock, examples=30, key=1)
+
+
+# -- point 3: fire returns what happened -------------------------------------
+
+
+class TestOutcome:
+    def _machine(self, **kw: Any) -> LifecycleMachine[Tier, TierEvent, Block]:
+        return LifecycleMachine(TIERS, **kw)
+
+    def test_the_alternative_that_applied(self) -> None:
+        machine = self._machine()
+        hot = machine.fire_outcome(Block(1), V.PLACE)
+        cold = machine.fire_outcome(Block(2, room=0), V.PLACE)
+        assert hot
+        assert cold
+        assert (hot.kind, hot.source, hot.state, hot.row) == (
+            "applied",
+            T.NEW,
+            T.HOT,
+            PLACE_HOT,
+        )
+        assert (cold.state, cold.row) == (T.COLD, PLACE_COLD)
+
+    def test_illegal_stale_failed_refused(self) -> None:
+        machine = self._machine()
+        block = Block(1)
+        illegal = machine.fire_outcome(block, V.SPILL)
+        assert not illegal
+        assert (illegal.kind, illegal.source, illegal.row) == (
+            "illegal",
+            T.NEW,
+            None,
+        )
+        assert machine.fire_outcome(block, V.PLACE, epoch=5).kind == "stale"
+
+        def broken(_block: Block, _data: object) -> bool:
+            raise RuntimeError
+
+        table = Table(
+            [Row(T.NEW, V.PLACE, T.HOT, guard=broken), *TIERS.rows[1:]],
+            initial=T.NEW,
+            terminal={T.GONE},
+        )
+        failed = LifecycleMachine(table).fire_outcome(Block(2), V.PLACE)
+        assert (failed.kind, failed.state) == ("failed", T.NEW)
+        slots: LifecycleMachine[Slot, SlotEvent, SlotBlock] = LifecycleMachine(
+            SLOTS
+        )
+        declined = slots.fire_outcome(
+            SlotBlock(3, state=L.IDLE, readers=1), LE.EVICT
+        )
+        assert (declined.kind, declined.expected) == ("refused", True)
+        refused = slots.fire_outcome(SlotBlock(4), LE.TAKE, data="over quota")
+        assert (refused.kind, refused.expected) == ("refused", False)
+
+    def test_the_registry_drops_an_ended_tracker(self) -> None:
+        registry = Registry(self._machine(), Block)
+        registry.get_or_create(1)
+        assert registry.fire_outcome(1, V.PLACE).state is T.HOT
+        assert registry.fire_outcome(1, V.DROP).state is T.GONE
+        assert 1 not in registry
+        unknown = registry.fire_outcome(1, V.DROP)
+        assert (unknown.kind, unknown.source) == ("illegal", None)
+
+    def test_strict_mode_raises_the_same(self) -> None:
+        with pytest.raises(IllegalTransition):
+            self._machine(strict=True).fire_outcome(Block(1), V.SPILL)
+
+    def test_each_outcome_is_its_own_event_across_threads(self) -> None:
+        # Four threads fire on one block: reading tracker.state after
+        # fire() could see another thread's move; an outcome cannot.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        machine: LifecycleMachine[Slot, SlotEvent, SlotBlock] = (
+            LifecycleMachine(SLOTS)
+        )
+        block = SlotBlock(1)
+        bad: list[Any] = []
+        applied: list[int] = []
+
+        def worker(events: tuple[SlotEvent, ...]) -> None:
+            for _ in range(1500):
+                for event in events:
+                    out = machine.fire_outcome(block, event)
+                    if out:
+                        applied.append(1)  # atomic, unlike += 1
+                        assert out.row is not None
+                        if (out.row.source, out.row.dest) != (
+                            out.source,
+                            out.state,
+                        ):
+                            bad.append(out)
+
+        cycles = [(LE.TAKE, LE.RELEASE), (LE.EVICT, LE.TAKE)]
+        threads = [
+            threading.Thread(target=worker, args=(cycles[n % 2],))
+            for n in range(4)
+        ]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+        finally:
+            sys.setswitchinterval(interval)
+        assert not bad, bad[:3]
+        assert len(applied) == sum(machine.row_counts()) > 100

@@ -36,6 +36,7 @@ from lifecycle.machine import (
     Observer,
     Outcome,
     RejectObserver,
+    atomic,
 )
 from lifecycle.registry import Registry, TrackerFactory
 from lifecycle.table import Row, Table
@@ -58,5 +59,6 @@ __all__ = [
     "Tracker",
     "TrackerFactory",
     "UnknownRequest",
+    "atomic",
     "define_tracker",
 ]

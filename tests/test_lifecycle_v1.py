@@ -7,10 +7,12 @@ only cold blocks spill to disk.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import sys
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -24,6 +26,7 @@ from lifecycle import (
     Row,
     Table,
     Tracker,
+    atomic,
     define_tracker,
 )
 from lifecycle.testing import check_row, table_tests
@@ -373,3 +376,159 @@ class TestOutcome:
             sys.setswitchinterval(interval)
         assert not bad, bad[:3]
         assert len(applied) == sum(machine.row_counts()) > 100
+
+
+# -- point 5: composition across threads -------------------------------------
+
+
+class Job(enum.Enum):
+    IDLE = "idle"
+    BUSY = "busy"
+
+
+class JobEvent(enum.Enum):
+    START = "start"
+    STOP = "stop"
+
+
+@define_tracker
+class JobTracker(Tracker[Job, int]):
+    state: Job = Job.IDLE
+
+
+def admitted(_job: JobTracker, data: object) -> bool:
+    return data != "reject"
+
+
+JOBS: Table[Job, JobEvent] = Table(
+    [
+        Row(Job.IDLE, JobEvent.START, Job.BUSY, guard=admitted),
+        Row(Job.BUSY, JobEvent.STOP, Job.IDLE),
+    ],
+    initial=Job.IDLE,
+    terminal=(),
+    name="jobs",
+    expected_refusals=[JobEvent.START],
+)
+
+
+def _composed_run(
+    *, thread_safe: bool, hold: Any = None
+) -> tuple[list[str], int]:
+    """Four threads claim a slot and start a job on it, undoing the claim
+    when the job refuses; a fifth checks "slot USED <=> job BUSY".
+
+    Returns the violations seen and the composed steps that applied.
+    """
+    lock = threading.RLock()
+    slots: LifecycleMachine[Slot, SlotEvent, SlotBlock] = LifecycleMachine(
+        SLOTS, lock=lock, thread_safe=thread_safe
+    )
+    jobs: LifecycleMachine[Job, JobEvent, JobTracker] = LifecycleMachine(
+        JOBS, lock=lock, thread_safe=thread_safe
+    )
+    together = hold or (lambda: atomic(slots, jobs))
+    slot, job = SlotBlock(1), JobTracker(1)
+    bad: list[str] = []
+    done: list[int] = []
+    stop = threading.Event()
+
+    def holder(n: int) -> None:
+        for i in range(300):
+            with together():
+                if not slots.fire(slot, LE.TAKE):
+                    continue
+                data = "reject" if (i + n) % 3 == 0 else None
+                if not jobs.fire(job, JobEvent.START, data=data):
+                    slots.fire(slot, LE.RELEASE)  # undo the claim
+                    continue
+            done.append(1)
+            with together():
+                jobs.fire(job, JobEvent.STOP)
+                slots.fire(slot, LE.RELEASE)
+
+    def checker() -> None:
+        deadline = time.monotonic() + 30
+        while not stop.is_set() and time.monotonic() < deadline:
+            with together():
+                if (slot.state is L.USED) != (job.state is Job.BUSY):
+                    bad.append(f"{slot.state.name}/{job.state.name}")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        watch = threading.Thread(target=checker)
+        watch.start()
+        workers = [
+            threading.Thread(target=holder, args=(n,)) for n in range(4)
+        ]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(timeout=60)
+        stop.set()
+        watch.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    return bad, len(done)
+
+
+class TestComposition:
+    def test_a_shared_lock_makes_two_tables_atomic(self) -> None:
+        bad, done = _composed_run(thread_safe=True)
+        assert bad == []
+        assert done > 0
+
+    def test_unlocked_machines_are_safe_under_the_shared_lock(self) -> None:
+        bad, done = _composed_run(thread_safe=False)
+        assert bad == []
+        assert done > 0
+
+    def test_machines_with_their_own_locks_cannot_be_composed(self) -> None:
+        with (
+            pytest.raises(ValueError, match="one shared lock"),
+            atomic(LifecycleMachine(SLOTS), LifecycleMachine(JOBS)),
+        ):
+            pass
+
+    @pytest.mark.parametrize("held", ["atomic", "nothing"])
+    def test_another_thread_never_sees_half_a_step(self, held: str) -> None:
+        # Deterministic: the step pauses halfway (up to 0.3 s) for the
+        # checker.  Under atomic() the checker waits for the whole step;
+        # with nothing held (the control) it sees the slot claimed and
+        # the job not started.
+        lock = threading.RLock()
+        slots: LifecycleMachine[Slot, SlotEvent, SlotBlock] = LifecycleMachine(
+            SLOTS, lock=lock
+        )
+        jobs: LifecycleMachine[Job, JobEvent, JobTracker] = LifecycleMachine(
+            JOBS, lock=lock
+        )
+        shared = held == "atomic"
+        hold = (
+            (lambda: atomic(slots, jobs)) if shared else contextlib.nullcontext
+        )
+        slot, job = SlotBlock(1), JobTracker(1)
+        halfway, looked = threading.Event(), threading.Event()
+        seen: list[tuple[Slot, Job]] = []
+
+        def step() -> None:
+            with hold():
+                slots.fire(slot, LE.TAKE)
+                halfway.set()
+                looked.wait(0.3)
+                jobs.fire(job, JobEvent.START)
+
+        def check() -> None:
+            halfway.wait(10)
+            with hold():
+                seen.append((slot.state, job.state))
+            looked.set()
+
+        threads = [threading.Thread(target=f) for f in (step, check)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        expected = (L.USED, Job.BUSY) if shared else (L.USED, Job.IDLE)
+        assert seen == [expected]

@@ -532,3 +532,58 @@ class TestComposition:
             t.join(timeout=30)
         expected = (L.USED, Job.BUSY) if shared else (L.USED, Job.IDLE)
         assert seen == [expected]
+
+
+# -- point 6: cyclic tables retire idle trackers -----------------------------
+
+
+class TestRetireIdle:
+    def test_a_cyclic_registry_stays_bounded(self) -> None:
+        registry = Registry(
+            LifecycleMachine(SLOTS), SlotBlock, retire_at={L.FREE}
+        )
+        for key in range(2000):
+            registry.get_or_create(key)
+            for event in (LE.TAKE, LE.RELEASE):
+                assert registry.fire(key, event)
+            if key % 2:
+                assert registry.fire(key, LE.EVICT)  # back to FREE: idle
+        assert len(registry) == 1000  # the IDLE ones, not all 2000
+        assert all(t.state is L.IDLE for t in registry)
+
+    def test_a_reused_key_continues_its_epochs(self) -> None:
+        registry = Registry(
+            LifecycleMachine(SLOTS), SlotBlock, retire_at={L.FREE}
+        )
+        first = registry.get_or_create(7)
+        first.epoch = 4
+        for event in (LE.TAKE, LE.RELEASE, LE.EVICT):
+            assert registry.fire(7, event)
+        assert 7 not in registry
+        again = registry.get_or_create(7)
+        assert again is not first
+        assert again.epoch > 4
+        assert registry.fire(7, LE.TAKE)
+        assert not registry.fire(7, LE.RELEASE, epoch=4)  # the old job: stale
+
+    def test_without_retire_at_every_tracker_stays(self) -> None:
+        registry = Registry(LifecycleMachine(SLOTS), SlotBlock)
+        for key in range(50):
+            registry.get_or_create(key)
+            for event in (LE.TAKE, LE.RELEASE, LE.EVICT):
+                registry.fire(key, event)
+        assert len(registry) == 50
+
+    @pytest.mark.parametrize(
+        ("table", "state", "why"),
+        [
+            (SLOTS, L.USED, "accepts other rows"),
+            (TIERS, T.GONE, "is terminal"),
+            (SLOTS, T.HOT, "not a state of the table"),
+        ],
+    )
+    def test_only_states_equivalent_to_a_fresh_start(
+        self, table: Any, state: Any, why: str
+    ) -> None:
+        with pytest.raises(ValueError, match=why):
+            Registry(LifecycleMachine(table), Tracker, retire_at={state})

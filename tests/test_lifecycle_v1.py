@@ -30,6 +30,7 @@ from lifecycle import (
     define_tracker,
 )
 from lifecycle.testing import check_row, table_tests
+from lifecycle.trace import TraceWriter, replay_file
 
 
 class Tier(enum.Enum):
@@ -587,3 +588,53 @@ class TestRetireIdle:
     ) -> None:
         with pytest.raises(ValueError, match=why):
             Registry(LifecycleMachine(table), Tracker, retire_at={state})
+
+
+# -- point 9: replay ----------------------------------------------------------
+
+
+class TestReplay:
+    def test_a_refusal_is_not_drawn_as_a_state(self, tmp_path: Any) -> None:
+        machine: LifecycleMachine[Slot, SlotEvent, SlotBlock] = (
+            LifecycleMachine(SLOTS)
+        )
+        registry = Registry(machine, SlotBlock)
+        path = tmp_path / "t.jsonl"
+        writer = TraceWriter.open(path)
+        writer.attach(machine)
+        registry.get_or_create(1)
+        registry.fire(1, LE.TAKE, data="over quota")  # refused
+        registry.fire(1, LE.TAKE)
+        registry.fire(1, LE.RELEASE)
+        registry.get(1).readers = 1  # type: ignore[union-attr]
+        registry.fire(1, LE.EVICT)  # declined: an expected refusal
+        writer.close()
+        path_text = replay_file(path, table=SLOTS).requests["1"].path()
+        assert path_text == (
+            "FREE [refused take] -take-> USED -release-> IDLE [declined evict]"
+        )
+        assert "-> refused" not in path_text
+
+    def test_a_reused_id_is_a_new_path(self, tmp_path: Any) -> None:
+        machine: LifecycleMachine[Tier, TierEvent, Block] = LifecycleMachine(
+            TIERS
+        )
+        registry = Registry(machine, Block)
+        path = tmp_path / "t.jsonl"
+        writer = TraceWriter.open(path)
+        writer.attach(machine)
+        registry.get_or_create(1)
+        registry.fire(1, V.PLACE)
+        registry.fire(1, V.DROP)
+        registry.fire(1, V.DROP)  # late: untracked, the first life's
+        registry.get_or_create(1).room = 0
+        registry.fire(1, V.PLACE)
+        registry.fire(1, V.SPILL)
+        writer.close()
+        result = replay_file(path, table=TIERS)
+        paths = {k: r.path() for k, r in result.requests.items()}
+        assert paths == {
+            "1": "NEW -place-> HOT -drop-> GONE [illegal drop]",
+            "1#2": "NEW -place-> COLD -spill-> DISK",
+        }
+        assert result.divergences == []

@@ -17,8 +17,9 @@ Everything is derived from a `Table` and a tracker factory:
   against the table, edge for edge;
 * `fire_stock`, `stock_trigger`, `stock_graph` - transitions' own stock
   trigger path of a machine: the oracle the fast path is checked against;
-* `pytest_cases` and `event_sequences` - pytest parameters and a
-  hypothesis strategy (pytest and hypothesis are imported lazily);
+* `pytest_cases`, `event_sequences` and `event_data_sequences` - pytest
+  parameters and hypothesis strategies (pytest and hypothesis are
+  imported lazily);
 * `table_tests` - all of the above as one pytest test class.
 
 The whole generated suite for your table, in a test module::
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import attrs
@@ -93,11 +94,17 @@ def fire_stock(
 
 def stock_trigger(
     machine: LifecycleMachine[S, E, Any, Any], event: E
-) -> Callable[[Any], bool]:
-    """transitions' own trigger for `event`, unlocked (benchmarks)."""
+) -> Callable[..., bool]:
+    """transitions' own trigger for `event`, unlocked (benchmarks).
+
+    ``stock(tracker)``, or ``stock(tracker, data)`` for events whose
+    guards choose the alternative by the event's data.
+    """
     trigger = machine._tx.events[event_name(event)].trigger  # noqa: SLF001
 
-    def stock(tracker: Any) -> bool:
+    def stock(tracker: Any, *data: object) -> bool:
+        if data:
+            return bool(trigger(tracker, data=data[0]))
         return bool(trigger(tracker))
 
     return stock
@@ -443,6 +450,18 @@ def event_sequences(table: Table[Any, Any], max_size: int = 40) -> Any:
     return st.lists(st.sampled_from(list(table.events)), max_size=max_size)
 
 
+def event_data_sequences(
+    table: Table[Any, Any], data: Sequence[object], max_size: int = 40
+) -> Any:
+    """A hypothesis strategy of (event, data) lists, data from `data`."""
+    from hypothesis import strategies as st
+
+    return st.lists(
+        st.tuples(st.sampled_from(list(table.events)), st.sampled_from(data)),
+        max_size=max_size,
+    )
+
+
 def _route(_tracker: object, row: Row[Any, Any, Any]) -> object:
     """The set-up of a structural table's guarded row: its destination."""
     return row.dest
@@ -455,6 +474,7 @@ def table_tests(  # noqa: C901 - one class of small tests
     examples: int = 200,
     setups: SetUps | None = None,
     key: Any = "req-under-test",
+    data: Sequence[object] = (None,),
 ) -> type:
     """A pytest test class holding the generated tests of `table`.
 
@@ -472,7 +492,10 @@ def table_tests(  # noqa: C901 - one class of small tests
 
     `setups` makes guarded rows reachable (see the module docstring);
     `key` is the tracker key the tests use (a str; pass another for
-    trackers keyed otherwise, e.g. ``key=1``).
+    trackers keyed otherwise, e.g. ``key=1``); `data` are the values the
+    differential test fires events with (default: None only), so that
+    alternatives chosen by the event's data are compared with the stock
+    trigger too, e.g. ``data=(None, "gpu", "cpu")``.
 
     Raises:
         TypeError: `factory` does not build trackers of `table` (checked
@@ -552,17 +575,17 @@ def table_tests(  # noqa: C901 - one class of small tests
                 assert key not in registry
 
         @settings(max_examples=examples, deadline=None)
-        @given(events=event_sequences(table))
+        @given(events=event_data_sequences(table, tuple(data)))
         def test_fast_path_matches_stock_transitions(
-            self, events: list[Any]
+            self, events: list[tuple[Any, object]]
         ) -> None:
             machine: LifecycleMachine[Any, Any, Any, Any] = LifecycleMachine(
                 table
             )
             fast, stock = factory(key), factory(key)
-            for event in events:
-                assert machine.fire(fast, event) == fire_stock(
-                    machine, stock, event
+            for event, value in events:
+                assert machine.fire(fast, event, data=value) == fire_stock(
+                    machine, stock, event, value
                 )
                 assert attrs.asdict(fast) == attrs.asdict(stock)
 

@@ -638,3 +638,58 @@ class TestReplay:
             "1#2": "NEW -place-> COLD -spill-> DISK",
         }
         assert result.divergences == []
+
+
+# -- point 10: data-chosen alternatives against stock transitions -------------
+
+
+def _wants(tier: str) -> Any:
+    def guard(_block: Block, data: object) -> bool:
+        return data == tier
+
+    guard.__name__ = f"wants_{tier}"
+    return guard
+
+
+ROUTED: Table[Tier, TierEvent] = Table(
+    [
+        Row(T.NEW, V.PLACE, T.HOT, guard=_wants("hot")),
+        Row(T.NEW, V.PLACE, T.COLD, guard=_wants("cold")),
+        Row(T.NEW, V.PLACE, T.DISK),
+        Row(T.HOT, V.DROP, T.NEW),
+        Row(T.COLD, V.DROP, T.NEW),
+        Row(T.DISK, V.DROP, T.NEW),
+        Row(T.COLD, V.SPILL, T.DISK),
+    ],
+    initial=T.NEW,
+    terminal=(),
+    states=(T.NEW, T.HOT, T.COLD, T.DISK),
+    name="routed",
+)
+
+TestRouted = table_tests(
+    ROUTED,
+    Block,
+    setups={
+        ROUTED.rows[0]: lambda _b, _r: "hot",
+        ROUTED.rows[1]: lambda _b, _r: "cold",
+        ROUTED.rows[2]: lambda _b, _r: "disk",
+    },
+    data=(None, "hot", "cold", "disk"),
+    examples=60,
+    key=1,
+)
+
+
+def test_the_benchmark_compares_the_same_data_chosen_walk() -> None:
+    from benchmarks import dispatch  # noqa: PLC0415
+
+    machine = LifecycleMachine(dispatch.TIER_TABLE)
+    ours, stock = (
+        dispatch._fired_with_data(machine, 3),
+        dispatch._stock_with_data(machine, 3),
+    )
+    assert ours() == stock() == 3 * len(dispatch.TIER_CYCLE)
+    # The stock trigger runs the same callbacks but counts nothing: every
+    # row was applied once per tracker, by `fire`.
+    assert machine.row_counts() == (3,) * len(dispatch.TIER_TABLE.rows)

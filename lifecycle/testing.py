@@ -257,7 +257,7 @@ def _fire_row(
     chooses the data itself, e.g. the reachability test's routes).
     """
     table = machine.table
-    chosen = _alternatives(table, row)
+    chosen = row.guard is not None or _alternatives(table, row)
     setup = _setup_for(setups, row) if chosen else None
     data = setup(tracker, row) if setup is not None else None
     index = next(i for i, r in enumerate(table.rows) if r is row)

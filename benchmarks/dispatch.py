@@ -172,6 +172,25 @@ def _fired(
     return run
 
 
+def _outcomes(
+    machine: LifecycleMachine[Any, Any, Any],
+    trackers: list[Any],
+    cycle: tuple[Any, ...],
+) -> Callable[[], int]:
+    """`_fired` through `fire_outcome` (what happened, not a bool)."""
+    initial = machine.table.initial
+
+    def run() -> int:
+        fire = machine.fire_outcome
+        for t in trackers:
+            t.state = initial
+            for e in cycle:
+                fire(t, e)
+        return len(trackers) * len(cycle)
+
+    return run
+
+
 def _dict_moves(
     table: Table[Any, Any], trackers: list[Any], cycle: tuple[Any, ...]
 ) -> Callable[[], int]:
@@ -442,6 +461,7 @@ def main() -> None:
         "lifecycle_us": _fired(machine, kv(n), CYCLE),
         "lifecycle_unlocked_us": _fired(unlocked, kv(n), CYCLE),
         "lifecycle_illegal_us": _illegal(machine, n),
+        "lifecycle_outcome_us": _outcomes(machine, kv(n), CYCLE),
         "transitions_us": _stock(machine, n),
         "transitions_per_model_us": _per_model(max(n // 10, 50)),
         "dict_us": _dict_moves(
@@ -487,6 +507,9 @@ def main() -> None:
             statistics.median(samples["lifecycle_unlocked_us"])
             / statistics.median(samples["dict_same_work_us"]),
             2,
+        ),
+        "outcome_over_fire": round(
+            statistics.median(samples["lifecycle_outcome_us"]) / lc, 2
         ),
         "transitions_over_lifecycle": round(
             statistics.median(samples["transitions_us"]) / lc, 1

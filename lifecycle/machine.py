@@ -273,7 +273,13 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         self._reject_observers: tuple[RejectObserver[S, E], ...] = ()
         self._rows: tuple[Row[S, E, D], ...] = table.rows
         self._counts: list[int] = [0] * len(table.rows)
+        # What `fire_outcome` returns for each applied row, built once.
+        self._applied: tuple[Outcome[S, E], ...] = tuple(
+            Outcome(APPLIED, r.source, r.dest, r) for r in table.rows
+        )
         self._busy = [False]  # inside a transition (the reentrancy check)
+        # Why the last event under the lock was not applied (fire_outcome).
+        self._rejected = ""
         self._dispatch = self._compile()
         self._always: dict[E, tuple[Callback, ...]] = {
             r.event: table.stale_callbacks(r.event)
@@ -432,6 +438,7 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
                 finally:
                     busy[0] = False
 
+        self._step = fire_unlocked
         chosen = fire_locked if self.thread_safe else fire_unlocked
         chosen.__doc__ = "Apply `event` to `tracker`: `LifecycleMachine.fire`."
         return chosen
@@ -453,35 +460,41 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
 
         The same step and policy (strict mode raises the same), read under
         the machine's lock, so the row and state are the event's own even
-        while other threads fire.  A few counter reads dearer than `fire`,
-        which stays the bool hot path.
+        while other threads fire.  An applied row's outcome is built once
+        per row; `fire` stays the bool hot path.
         """
         with self._lock:
-            source: S = tracker.state
-            pair = (source, event)
-            alts = self._dispatch.get(event, {}).get(source)
-            indices = () if alts is None else self._indices(alts)
-            counts = self._counts
-            before = [counts[i] for i in indices]
-            errors = self._callback_errors[pair]
-            if self.fire(tracker, event, epoch=epoch, data=data):
-                for i, n in zip(indices, before, strict=True):
-                    if counts[i] != n:
-                        return Outcome(
-                            APPLIED, source, tracker.state, self._rows[i]
-                        )
-            state: S = tracker.state
-            if epoch is not None and epoch != tracker.epoch:
-                return Outcome(STALE, source, state)
-            if alts is None:
-                return Outcome(ILLEGAL, source, state)
-            if self._callback_errors[pair] != errors:
-                return Outcome(FAILED, source, state)
+            busy = self._busy
+            if busy[0] and self.thread_safe:
+                raise ReentrantFire(event, tracker.req_id, self.name)
+            busy[0] = True
+            try:
+                source: S = tracker.state
+                compiled = self._dispatch.get(event, {}).get(source)
+                self._rejected = ""
+                if compiled is not None and compiled[4] is None:
+                    # One row for the pair: applied means that row.
+                    if self._step(tracker, event, epoch, data):
+                        return self._applied[compiled[2]]
+                elif compiled is not None:
+                    counts = self._counts
+                    indices = self._indices(compiled)
+                    before = [counts[i] for i in indices]
+                    if self._step(tracker, event, epoch, data):
+                        for i, n in zip(indices, before, strict=True):
+                            if counts[i] != n:
+                                return self._applied[i]
+                else:
+                    self._step(tracker, event, epoch, data)
+            finally:
+                busy[0] = False
+            kind = self._rejected or ILLEGAL
             return Outcome(
-                REFUSED,
+                kind,
                 source,
-                state,
-                expected=pair in self._expected_refusals,
+                tracker.state,
+                expected=kind == REFUSED
+                and (source, event) in self._expected_refusals,
             )
 
     @staticmethod
@@ -510,6 +523,7 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         }
 
     def _illegal(self, tracker: T, event: E) -> bool:
+        self._rejected = ILLEGAL
         if event not in self._dispatch:
             msg = (
                 f"{event!r} is not an event of table {self.table.name!r} "
@@ -555,6 +569,7 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         return None
 
     def _refused(self, tracker: T, event: E) -> None:
+        self._rejected = REFUSED
         state: S = tracker.state
         self._guard_counts[(state, event)] += 1
         for observer in self._reject_observers:
@@ -584,6 +599,7 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         )
 
     def _stale(self, tracker: T, event: E, epoch: int, data: D | None) -> bool:
+        self._rejected = STALE
         state: S = tracker.state
         self._stale_counts[(state, event)] += 1
         for observer in self._reject_observers:
@@ -607,6 +623,7 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         self, tracker: T, state: S, epoch: int, event: E, exc: Exception
     ) -> bool:
         """A guard or callback raised: restore, count, log (or re-raise)."""
+        self._rejected = FAILED
         tracker.state = state
         tracker.epoch = epoch
         if isinstance(exc, ReentrantFire):

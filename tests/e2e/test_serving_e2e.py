@@ -7,14 +7,17 @@ model, token-id prompts):
    ``--kv-transfer-config`` JSON, which names the connector only through
    the plugin (no ``kv_connector_module_path``; the server's working
    directory is outside the repository);
-2. server A (``python -m vllm.entrypoints.openai.api_server``) takes
-   ``N_LOAD`` concurrent streaming ``/v1/completions`` sharing prefixes,
-   about 15 % of clients disconnecting mid-stream, on a KV pool small
-   enough to preempt; the master is SIGKILLed once a third of them ended
-   and restarted on the same ports;
-3. A computes fresh probe prompts (saved to the restarted master), then
-   server B starts on the same master and must return A's greedy tokens
-   with external prefix-cache hits.
+2. servers A and B (``python -m vllm.entrypoints.openai.api_server``)
+   start on that master; A takes ``N_LOAD`` concurrent streaming
+   ``/v1/completions`` sharing prefixes, about 15 % of clients
+   disconnecting mid-stream, on a KV pool small enough to preempt; the
+   master is SIGKILLed once a third of them ended, stays down
+   ``MASTER_DOWN_S`` and is restarted on the same ports;
+3. sharing comes back: a fresh prompt computed by A is loaded by B (B's
+   ``vllm:external_prefix_cache_hits_total`` rises; the seconds it took
+   are reported); then A computes fresh probe prompts (saved to the
+   restarted master) and B, which was up before the restart, must return
+   A's greedy tokens with external prefix-cache hits for every probe.
 
 Checks: every request ends (completed or disconnected by its client),
 ``/health`` is 200 on every poll, no ERROR or traceback in either log,
@@ -63,7 +66,8 @@ N_PROBES = 16
 PROBE_TOKENS = 16
 REQUEST_TIMEOUT_S = 180
 KILL_AFTER = N_LOAD // 3  # requests ended before the master is killed
-MASTER_DOWN_S = 1.5
+MASTER_DOWN_S = 8.0  # as an operator's restart (issue 31)
+SHARING_TIMEOUT_S = 60.0  # sharing is back within 10 s on an idle machine
 
 
 def load_prompts(seed=0):
@@ -226,25 +230,35 @@ def put_bytes(server):
     )
 
 
-def wait_saving_again(server, model, timeout_s=40.0):
-    """Fresh prompts until ``server`` stores KV again; seconds it took.
+def external_hits(server):
+    """Prompt tokens ``server`` has loaded from the store so far."""
+    return server.metrics().get("vllm:external_prefix_cache_hits_total", 0)
+
+
+def wait_sharing_again(a, b, model, timeout_s=SHARING_TIMEOUT_S):
+    """Fresh prompts, computed by ``a`` then sent to ``b``, until ``b``
+    loads one from the store; seconds it took.
 
     After a master restart each Mooncake client re-mounts its segment on
     its own heartbeat (about 1-2 s), and a breaker opened by the outage
-    closes only on its next probe: saves made before that are dropped
-    (best effort). Sharing through the new master starts after this.
+    closes only on its next probe: saves and loads made before that miss
+    (best effort).  Sharing through the new master starts after this.
     """
     begin = time.monotonic()
-    before = put_bytes(server)
     rng = random.Random(77)  # noqa: S311 - test data
     while time.monotonic() - begin < timeout_s:
         prompt = [rng.randrange(3, 512) for _ in range(96)]
-        asyncio.run(complete_all(server.url, model, [prompt]))
-        wait_drained(server)
-        if put_bytes(server) > before:
+        asyncio.run(complete_all(a.url, model, [prompt]))
+        wait_drained(a)
+        before = external_hits(b)
+        asyncio.run(complete_all(b.url, model, [prompt]))
+        if wait_drained(b)["vllm:external_prefix_cache_hits_total"] > before:
             return time.monotonic() - begin
         time.sleep(0.25)
-    pytest.fail(f"{server.url} stored nothing {timeout_s} s after restart")
+    pytest.fail(
+        f"{b.url} loaded nothing {a.url} computed {timeout_s} s after "
+        "the master restart"
+    )
 
 
 def restart_master(ports, namespace, log_path, attempts=5):
@@ -342,8 +356,16 @@ def check_clean_shutdown(servers):
 
 
 def serve(model, config, log_path):
+    # The installed package provides the connector (by plugin name);
+    # PYTHONPATH is kept so that a checkout run with PYTHONPATH=$PWD
+    # serves its own code rather than the editable install's.
     return ApiServer(
-        ServerSpec(model=model, kv_transfer_config=config, port=free_port()),
+        ServerSpec(
+            model=model,
+            kv_transfer_config=config,
+            port=free_port(),
+            keep_pythonpath=True,
+        ),
         log_path,
         cwd=log_path.parent,  # outside the repository
     ).start()
@@ -366,6 +388,9 @@ def test_openai_server_by_plugin_name_survives_load_and_master_crash(
         a = serve(model, config, tmp_path / "server-a.log")
         servers.append(a)
         health.watch(a)
+        b = serve(model, config, tmp_path / "server-b.log")
+        servers.append(b)
+        health.watch(b)
         plan, results, load_s, restarted = load_with_master_crash(
             a, model, master, namespace, tmp_path
         )
@@ -375,19 +400,23 @@ def test_openai_server_by_plugin_name_survives_load_and_master_crash(
         after_load = wait_drained(a)
         assert after_load["vllm:num_preemptions_total"] > 0
 
-        # Once A's clients are back on the restarted master, fresh
-        # prompts computed by A land there ...
-        recovery_s = wait_saving_again(a, model)
+        # Once both servers' clients are back on the restarted master,
+        # a prompt A computes is loaded by B (issue 31: it never was) ...
+        sharing_s = wait_sharing_again(a, b, model)
+        # ... and so is every fresh probe A computes: same greedy tokens.
         probes = probe_prompts()
         tokens_a = asyncio.run(complete_all(a.url, model, probes))
-        b = serve(model, config, tmp_path / "server-b.log")
-        servers.append(b)
-        health.watch(b)
-        # ... and B, on the same master, loads them: same greedy tokens.
+        wait_drained(a)
+        hits_before = external_hits(b)
         tokens_b = asyncio.run(complete_all(b.url, model, probes))
         assert tokens_b == tokens_a
-        hits_b = wait_drained(b)["vllm:external_prefix_cache_hits_total"]
-        assert hits_b > 0
+        hits_b = (
+            wait_drained(b)["vllm:external_prefix_cache_hits_total"]
+            - hits_before
+        )
+        # Each probe has two to seven full blocks of 32 tokens that B
+        # can load; saves are best effort, so ask for one on average.
+        assert hits_b >= N_PROBES * 32, hits_b
         for server in servers:
             text = server.metrics_text()
             for family in (
@@ -408,8 +437,8 @@ def test_openai_server_by_plugin_name_survives_load_and_master_crash(
                     "load_s": round(load_s, 1),
                     "preemptions": after_load["vllm:num_preemptions_total"],
                     "identical_probe_prompts": len(probes),
-                    "a_saving_again_after_s": round(recovery_s, 1),
-                    "b_external_prefix_cache_hits": hits_b,
+                    "b_sharing_again_after_load_s": round(sharing_s, 1),
+                    "b_external_prefix_cache_hits_after_restart": hits_b,
                     "health_polls": health.polls,
                     "server_startup_s": [
                         round(s.startup_s, 1) for s in servers

@@ -288,7 +288,7 @@ class StoreClient:
                     break
                 self._idle.wait(left)
         if self._watch is not None:
-            self._watch.stop()
+            self._watch.stop(min(1.0, max(0.0, deadline - time.monotonic())))
         result: list[int] = []
         closer = threading.Thread(
             target=lambda: result.append(self._store.close()),
@@ -973,7 +973,7 @@ class StoreClient:
             "metadata server %s (%d of 2 entries; did the master restart?): "
             "peers cannot read its segment until it is published again; "
             "%d restored from the client's last copy",
-            self._store.get_hostname(),
+            self._watch.keeper.name if self._watch is not None else "?",
             self.config.metadata_server,
             check.missing,
             check.restored,

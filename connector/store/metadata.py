@@ -181,8 +181,7 @@ class MetadataWatch:
     """Runs `MetadataKeeper.check` every ``interval_s`` in a daemon thread.
 
     ``on_check`` receives each check's result (counters, logging).  The
-    first check runs at once.  ``stop`` is idempotent and returns once
-    the thread has ended (bounded by one check).
+    first check runs at once.  ``stop`` is idempotent and bounded.
     """
 
     def __init__(
@@ -206,11 +205,17 @@ class MetadataWatch:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop the thread and wait for it."""
+    def stop(self, wait_s: float | None = None) -> None:
+        """Stop the thread; wait for it at most ``wait_s``.
+
+        ``wait_s`` defaults to one check's bound.  A check still running
+        ends on its own (it only asks the metadata server and reports).
+        """
         self._stop.set()
+        if wait_s is None:
+            wait_s = self.keeper.timeout_s * len(self.keeper.keys) * 2
         if self._thread.is_alive():
-            self._thread.join(self.keeper.timeout_s * 2 + 1.0)
+            self._thread.join(wait_s)
 
     def _run(self) -> None:
         while True:

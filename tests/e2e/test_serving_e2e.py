@@ -28,8 +28,12 @@ connector half of both servers holds no tracker and no job.
 import asyncio
 import json
 import random
+import re
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 
 import pytest
 
@@ -42,6 +46,7 @@ if reason := vllm_cpu_missing():
 aiohttp = pytest.importorskip("aiohttp")
 
 from connector.ops.master import process_alive  # noqa: E402
+from connector.store.metadata import metadata_keys  # noqa: E402
 from e2e.make_model import ensure_model  # noqa: E402
 from e2e.serving import (  # noqa: E402
     ApiServer,
@@ -261,6 +266,56 @@ def wait_sharing_again(a, b, model, timeout_s=SHARING_TIMEOUT_S):
     )
 
 
+def client_names(server):
+    """The store clients ``server``'s connector halves opened."""
+    return re.findall(
+        r"Mooncake store client (\S+) connected", server.log_text()
+    )
+
+
+def metadata_status(url, key):
+    """The metadata server's HTTP status for ``key``."""
+    address = f"{url}?key={urllib.parse.quote(key, safe='')}"
+    try:
+        with urllib.request.urlopen(address, timeout=2) as resp:  # noqa: S310
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def wait_metadata_back(servers, url, timeout_s=10.0):
+    """Until every store client of ``servers`` has its transfer metadata
+    in the restarted master's metadata server; the keys still missing."""
+    keys = [
+        key
+        for server in servers
+        for name in client_names(server)
+        for key in metadata_keys(name)
+    ]
+    assert len(keys) == 2 * 2 * len(servers), keys  # two clients each
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [k for k in keys if metadata_status(url, k) != 200]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.25)
+
+
+def check_metadata_back(servers, config):
+    """Every client's transfer metadata, which the restarted master's
+    metadata server had forgotten, is back (issue 31: the lookup
+    clients' never came back), and each server counted the restore."""
+    url = config["kv_connector_extra_config"]["metadata_server"]
+    assert wait_metadata_back(servers, url) == []
+    for server in servers:
+        restored = labelled_sum(
+            server.metrics_text(),
+            "vllm:kv_lifecycle_store_faults_total",
+            kind="metadata_restored",
+        )
+        assert restored > 0, server.url
+
+
 def restart_master(ports, namespace, log_path, attempts=5):
     """A new ``kv-lifecycle master`` on the crashed one's ports."""
     rpc, http, metrics = ports
@@ -403,6 +458,7 @@ def test_openai_server_by_plugin_name_survives_load_and_master_crash(
         # Once both servers' clients are back on the restarted master,
         # a prompt A computes is loaded by B (issue 31: it never was) ...
         sharing_s = wait_sharing_again(a, b, model)
+        check_metadata_back(servers, config)
         # ... and so is every fresh probe A computes: same greedy tokens.
         probes = probe_prompts()
         tokens_a = asyncio.run(complete_all(a.url, model, probes))

@@ -118,14 +118,18 @@ class MetadataKeeper:
         """The keys whose value this keeper remembers."""
         return frozenset(self._known)
 
-    def check(self) -> MetadataCheck:
+    def check(
+        self, stopped: Callable[[], bool] = lambda: False
+    ) -> MetadataCheck:
         """Restore each missing entry; remember each present one.
 
         Asks for each entry: a missing one gets its remembered value
         written back, a present one's value is remembered.
 
         Never raises for the server's answers: a server that cannot be
-        reached gives ``failed`` (the next check asks again).
+        reached gives ``failed`` (the next check asks again).  Nothing is
+        written back once ``stopped()`` is true (a closing client's
+        Mooncake ``close()`` removes its own entries).
         """
         missing = restored = 0
         failed = False
@@ -140,8 +144,8 @@ class MetadataKeeper:
                 continue
             missing += 1
             value = self._known.get(key)
-            if value is None:
-                continue  # never seen: nothing to restore
+            if value is None or stopped():
+                continue  # never seen (nothing to restore), or closing
             try:
                 self._put(key, value)
             except OSError as exc:
@@ -221,7 +225,7 @@ class MetadataWatch:
         while True:
             started = time.monotonic()
             try:
-                self._on_check(self.keeper.check())
+                self._on_check(self.keeper.check(self._stop.is_set))
             except Exception:  # a watcher must not die silently
                 log.exception("metadata check of %s failed", self.keeper.name)
             wait = self.interval_s - (time.monotonic() - started)

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
         contravariant=True,
         default=Tracker[S, Hashable],
     )
-    D = TypeVar("D", default=Any)
+    D = TypeVar("D", contravariant=True, default=None)  # noqa: PLC0105
     D_contra = TypeVar("D_contra", contravariant=True)
     S_contra = TypeVar("S_contra", bound=enum.Enum, contravariant=True)
     E_contra = TypeVar("E_contra", bound=enum.Enum, contravariant=True)
@@ -59,7 +59,7 @@ else:
     S = TypeVar("S", bound=enum.Enum)
     E = TypeVar("E", bound=enum.Enum)
     T = TypeVar("T", bound=Tracker, contravariant=True)  # noqa: PLC0105
-    D = TypeVar("D")
+    D = TypeVar("D", contravariant=True)  # noqa: PLC0105
     D_contra = TypeVar("D_contra", contravariant=True)
     S_contra = TypeVar("S_contra", bound=enum.Enum, contravariant=True)
     E_contra = TypeVar("E_contra", bound=enum.Enum, contravariant=True)

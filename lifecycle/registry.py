@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import enum
 import warnings
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, overload
 
 import attrs
@@ -44,11 +44,11 @@ from lifecycle.tracker import (
 if TYPE_CHECKING:
     from typing_extensions import TypeVar
 
-    D = TypeVar("D", default=Any)
+    D = TypeVar("D", contravariant=True, default=None)  # noqa: PLC0105
 else:
     from typing import TypeVar
 
-    D = TypeVar("D")
+    D = TypeVar("D", contravariant=True)  # noqa: PLC0105
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
@@ -115,9 +115,9 @@ class Registry(Padded, Generic[S, E, T, D]):
 
     @overload
     def __init__(
-        self: Registry[S, E, Tracker[S, Hashable], D],
-        machine: LifecycleMachine[S, E, Tracker[S, Hashable], D],
-        factory: type[Tracker[S, Hashable]],
+        self,
+        machine: LifecycleMachine[S, E, T, D],
+        factory: Callable[[Any, S], T],
         *,
         continue_epochs: bool = True,
     ) -> None: ...

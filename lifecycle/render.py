@@ -24,7 +24,7 @@ _START: Final = '"__start"'
 _UNKNOWN: Final = '"__unknown"'
 
 AnyTable = Table[Any, Any]
-AnyRow = Row[Any, Any]
+AnyRow = Row[Any, Any, Any]
 
 
 def dot_id(text: str) -> str:

@@ -82,10 +82,18 @@ S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
 """The event enum of a table."""
 if TYPE_CHECKING:
-    D = TypeVar("D", default=Any)
+    # No default on a row's data type: a row without callbacks leaves it
+    # unsolved, so a list of rows takes the data type of those that have
+    # callbacks (a default, even Any, would decide the join instead).
+    D_row = TypeVar("D_row", contravariant=True)  # noqa: PLC0105
+    D = TypeVar("D", contravariant=True, default=None)  # noqa: PLC0105
 else:
-    D = TypeVar("D")
-"""The event data a table's callbacks receive (``fire(..., data=)``)."""
+    D_row = TypeVar("D_row", contravariant=True)  # noqa: PLC0105
+    D = TypeVar("D", contravariant=True)  # noqa: PLC0105
+"""The event data a table's callbacks receive (``fire(..., data=)``).
+
+Contravariant (callbacks consume it); ``Table[S, E]`` means ``None``: no
+data but None reaches the callbacks."""
 
 Callback = Callable[[Any, Any], object]
 """A row or enter callback: takes the tracker and the event's data."""
@@ -109,7 +117,7 @@ def callback_name(callback: object) -> str:
 
 
 @attrs.frozen
-class Row(Padded, Generic[S, E, D]):
+class Row(Padded, Generic[S, E, D_row]):
     """One legal transition: `event` in `source` moves to `dest`.
 
     Attributes:
@@ -139,11 +147,11 @@ class Row(Padded, Generic[S, E, D]):
     source: S
     event: E
     dest: S
-    after: tuple[Callable[[Any, D], object], ...] = attrs.field(
+    after: tuple[Callable[[Any, D_row], object], ...] = attrs.field(
         default=(), eq=False
     )
-    guard: Callable[[Any, D], bool] | None = attrs.field(default=None)
-    always: tuple[Callable[[Any, D], object], ...] = attrs.field(
+    guard: Callable[[Any, D_row], bool] | None = attrs.field(default=None)
+    always: tuple[Callable[[Any, D_row], object], ...] = attrs.field(
         default=(), eq=False
     )
 

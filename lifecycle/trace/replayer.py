@@ -307,7 +307,7 @@ class _TableReplayer:
         self.machine = machine
         self.result = Replay(machine)  # the shared one, set by _Replayer
         self.prefix = prefix
-        self.registry: Registry[Any, Any, Tracker[Any, Any]] = Registry(
+        self.registry: Registry[Any, Any, Tracker[Any, Any], Any] = Registry(
             machine, Tracker
         )
         self.open: dict[str, RequestReplay] = {}

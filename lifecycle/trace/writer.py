@@ -60,7 +60,7 @@ UNKNOWN: Final = "unknown"
 _Q: Final = '"'
 
 
-AnyMachine = LifecycleMachine[Any, Any, Any]
+AnyMachine = LifecycleMachine[Any, Any, Any, Any]
 
 
 def _state_name(state: enum.Enum | None) -> str:

@@ -14,6 +14,7 @@ must keep its types, not merely type-check.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -31,14 +32,11 @@ README_CHECKS = """
 from collections.abc import Hashable
 from typing import assert_type
 
-assert_type(TABLE, Table[PState, PEvent, object])
-assert_type(
-    machine,
-    LifecycleMachine[PState, PEvent, Tracker[PState, Hashable], object],
-)
+assert_type(TABLE, Table[PState, PEvent, object, PTracker])
+assert_type(machine, LifecycleMachine[PState, PEvent, PTracker, object])
 assert_type(registry, Registry[PState, PEvent, PTracker, object])
 assert_type(tracker, PTracker)
-assert_type(strict.table, Table[PState, PEvent, object])
+assert_type(strict.table, Table[PState, PEvent, object, PTracker])
 registry.fire("req-1", "finish")  # E: type "str"; expected "PEvent"
 registry.fire_on(tracker, 1)  # E: incompatible type "int"; expected "PEvent"
 """
@@ -54,14 +52,24 @@ def expected_errors(path: Path) -> dict[int, list[str]]:
     return found
 
 
-def mypy_errors(files: list[Path], cwd: Path) -> tuple[dict, str]:
-    """mypy --strict's errors over `files`, by (file name, line)."""
+def mypy_errors(modules: list[str], extra: Path | None = None) -> tuple:
+    """mypy --strict's errors over `modules`, by (file name, line).
+
+    Modules, not files: mypy then reports the errors of the helper
+    modules the cases import (tests/user_lifecycle.py, ...) too.  `extra`
+    is a folder of further modules (on MYPYPATH).
+    """
+    env = dict(os.environ)
+    if extra is not None:
+        env["MYPYPATH"] = str(extra)
+    args = [a for m in modules for a in ("-m", m)]
     done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", *map(str, files)],
-        cwd=cwd,
+        [sys.executable, "-m", "mypy", "--strict", *args],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
+        env=env,
     )
     assert done.returncode in {0, 1}, done.stdout + done.stderr
     errors: dict[tuple[str, int], list[str]] = {}
@@ -95,13 +103,20 @@ def mismatches(files: list[Path], errors: dict) -> list[str]:
     return problems
 
 
+HELPERS = ["tests.user_lifecycle", "tests.docpath_lifecycle"]
+
+
 def test_typing_suite(tmp_path) -> None:
     readme = tmp_path / "readme_define_your_own.py"
     readme.write_text(_own_lifecycle_block() + README_CHECKS)
     files = sorted(CASES.glob("*.py"))
     assert len(files) >= 5, files
-    errors, out = mypy_errors([*files, readme], ROOT)
-    problems = mismatches([*files, readme], errors)
+    modules = [f"tests.typing.{f.stem}" for f in files]
+    errors, out = mypy_errors(
+        [*HELPERS, *modules, readme.stem], extra=tmp_path
+    )
+    helpers = [ROOT / (m.replace(".", "/") + ".py") for m in HELPERS]
+    problems = mismatches([*helpers, *files, readme], errors)
     assert not problems, "\n".join(problems) + "\n\nmypy said:\n" + out
 
 
@@ -114,7 +129,7 @@ def test_markers_are_checked(tmp_path) -> None:
         "z: int = 2  # E: never raised\n"
         "w: str = 3\n"
     )
-    errors, _ = mypy_errors([case], ROOT)
+    errors, _ = mypy_errors(["case"], extra=tmp_path)
     problems = mismatches([case], errors)
     assert problems == [
         "case.py:3: no error, expected ['never raised']",

@@ -3,8 +3,7 @@ and the trace section use it, and the examples' objects keep their types."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import assert_type
+from typing import Never, assert_type
 
 from examples.offloading_connector import (
     BlockEvent,
@@ -16,14 +15,12 @@ from examples.offloading_connector import (
     RequestState,
     RequestTracker,
 )
-from lifecycle import LifecycleMachine, Registry, Tracker
+from lifecycle import LifecycleMachine, Registry
 from lifecycle.kv import TABLE, Event, KVMachine, KVTracker, State
 from lifecycle.trace import TraceWriter, replay_file, summarize
 
 machine = LifecycleMachine(TABLE)
-assert_type(
-    machine, LifecycleMachine[State, Event, Tracker[State, Hashable], object]
-)
+assert_type(machine, LifecycleMachine[State, Event, KVTracker, object])
 kv_machine: KVMachine = machine
 registry = Registry(machine, KVTracker)
 assert_type(registry, Registry[State, Event, KVTracker, object])
@@ -47,4 +44,6 @@ assert_type(
     state.requests,
     Registry[RequestState, RequestEvent, RequestTracker, int | LoadJob | None],
 )
-assert_type(state.blocks, Registry[BlockState, BlockEvent, BlockTracker, None])
+assert_type(
+    state.blocks, Registry[BlockState, BlockEvent, BlockTracker, Never, int]
+)

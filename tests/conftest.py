@@ -53,10 +53,10 @@ def _absent(exc: BaseException | None) -> str | None:
     return root if root in _MATRIX_ABSENT else None
 
 
-def _skip_if_absent(exc: BaseException) -> None:
+def _skip_if_absent(item: pytest.Item, exc: BaseException) -> None:
     root = _absent(exc)
     if root is not None:
-        pytest.skip(f"needs {root}, absent from the matrix venv")
+        pytest.skip(f"{item.nodeid} needs {root}, absent from the matrix venv")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -64,7 +64,7 @@ def pytest_runtest_setup(item):
     try:
         return (yield)
     except ModuleNotFoundError as exc:
-        _skip_if_absent(exc)
+        _skip_if_absent(item, exc)
         raise
 
 
@@ -73,7 +73,7 @@ def pytest_runtest_call(item):
     try:
         return (yield)
     except ModuleNotFoundError as exc:
-        _skip_if_absent(exc)
+        _skip_if_absent(item, exc)
         raise
 
 

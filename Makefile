@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 MAIN_PYTHON := 3.11
 PYMATRIX := 3.12 3.13
 
-.PHONY: all venv venv-e2e pymatrix e2e unit-e2e serving-e2e bench-ttft cluster bench-cluster bench-multiturn bench-tp test lint imports typecheck diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
+.PHONY: all venv venv-e2e pymatrix e2e unit-e2e serving-e2e bench-ttft cluster bench-cluster bench-multiturn bench-tp test lint imports typecheck typing diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
 
 all: test
 
@@ -34,6 +34,12 @@ typecheck: $(STAMP)
 	$(PY) -m mypy --strict lifecycle connector harness demo examples
 	$(PY) -m mypy --strict docs/_ext docs/conf.py
 
+# The typing suite: mypy --strict over tests/typing/ (assert_type checks
+# that must pass, misuse that must fail on the lines marked `# E:`) and the
+# README's own example (tests/test_typing.py).
+typing: $(STAMP)
+	$(PY) -m pytest tests/test_typing.py -q $(PYTEST_ARGS)
+
 # Every shipped table: the KV lifecycle, the connector's admission lookup,
 # and the P/D producer and consumer.
 SHIPPED_TABLES := lifecycle.kv:TABLE connector.scheduler.admission:LOOKUPS lifecycle.pd:PRODUCER lifecycle.pd:CONSUMER
@@ -54,7 +60,7 @@ docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -E -b html docs $(DOCS_OUT)
 	@echo "docs: $(DOCS_OUT)/index.html"
 
-test: lint imports typecheck diagrams-check docs unit pymatrix unit-e2e serving-e2e
+test: lint imports typecheck typing diagrams-check docs unit pymatrix unit-e2e serving-e2e
 
 # The Python matrix (about 2 minutes per Python on the 2-core machine,
 # plus about 1 minute per venv when requirements/pymatrix.txt changed).

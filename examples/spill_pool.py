@@ -97,7 +97,7 @@ def cancel_spill(chunk: Chunk, _data: object) -> None:
 
 
 C, CE = ChunkState, ChunkEvent
-CHUNKS: Table[ChunkState, ChunkEvent] = Table(
+CHUNKS: Table[ChunkState, ChunkEvent, object, Chunk] = Table(
     [
         Row(C.ABSENT, CE.STORE, C.RAM),
         Row(C.RAM, CE.PIN, C.RAM, after=(add_reader,)),
@@ -159,7 +159,7 @@ def remember(read: Read, keys: object) -> None:
 
 
 R, RE = ReadState, ReadEvent
-READS: Table[ReadState, ReadEvent] = Table(
+READS: Table[ReadState, ReadEvent, object, Read] = Table(
     [
         Row(
             R.WAITING,

@@ -60,10 +60,11 @@ S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
 T = TypeVar("T", bound=Tracker[Any, Any])
 
-Factory = Callable[[str], Tracker[Any, Any]]
-"""Builds a tracker in the table's initial state from a request id."""
+Factory = Callable[..., Tracker[Any, Any]]
+"""Builds a tracker in the table's initial state from its key (of any
+type): a tracker class, the base `Tracker` class or a function."""
 
-SetUp = Callable[[Any, Row[Any, Any, Any]], object]
+SetUp = Callable[[Any, Row[Any, Any, Any, Any]], object]
 """Prepares a tracker for a guarded row: ``(tracker, row) -> data``.
 
 Called with the tracker in the row's source state; returns the data to
@@ -154,7 +155,7 @@ class Case(Generic[S, E]):
         return f"{self.state.name}-{event_name(self.event)}"
 
 
-def matrix(table: Table[S, E]) -> list[Case[S, E]]:
+def matrix(table: Table[S, E, Any, Any]) -> list[Case[S, E]]:
     """Every (state, event) pair, in table-state then event order."""
     return [
         Case(state, event, table.dest(state, event))
@@ -164,14 +165,14 @@ def matrix(table: Table[S, E]) -> list[Case[S, E]]:
 
 
 def shortest_row_paths(
-    table: Table[S, E, Any],
-) -> dict[S, tuple[Row[S, E, Any], ...]]:
+    table: Table[S, E, Any, Any],
+) -> dict[S, tuple[Row[S, E, Any, Any], ...]]:
     """The shortest row path from the initial state to every state.
 
     Ties are broken by table row order, so the result is deterministic.
     Guards are not consulted here (`tracker_in` runs their set-ups).
     """
-    paths: dict[S, tuple[Row[S, E, Any], ...]] = {table.initial: ()}
+    paths: dict[S, tuple[Row[S, E, Any, Any], ...]] = {table.initial: ()}
     todo = deque([table.initial])
     while todo:
         state = todo.popleft()
@@ -182,7 +183,7 @@ def shortest_row_paths(
     return paths
 
 
-def shortest_paths(table: Table[S, E, Any]) -> dict[S, tuple[E, ...]]:
+def shortest_paths(table: Table[S, E, Any, Any]) -> dict[S, tuple[E, ...]]:
     """The shortest event path from the initial state to every state."""
     return {
         state: tuple(r.event for r in rows)
@@ -191,13 +192,15 @@ def shortest_paths(table: Table[S, E, Any]) -> dict[S, tuple[E, ...]]:
 
 
 def _alternatives(
-    table: Table[Any, Any, Any], row: Row[Any, Any, Any]
+    table: Table[Any, Any, Any], row: Row[Any, Any, Any, Any]
 ) -> bool:
     """Whether `row` shares its (source, event) with other rows."""
     return len(table.rows_for(row.source, row.event)) > 1
 
 
-def _setup_for(setups: SetUps | None, row: Row[Any, Any, Any]) -> SetUp | None:
+def _setup_for(
+    setups: SetUps | None, row: Row[Any, Any, Any, Any]
+) -> SetUp | None:
     """The set-up `row` is fired with, None for none.
 
     A guarded row takes the set-up given for it or for its source state;
@@ -214,7 +217,7 @@ def _setup_for(setups: SetUps | None, row: Row[Any, Any, Any]) -> SetUp | None:
 
 
 def _unreached(
-    row: Row[Any, Any, Any], tracker: Any, why: str, *, hint: bool = True
+    row: Row[Any, Any, Any, Any], tracker: Any, why: str, *, hint: bool = True
 ) -> str:
     kind = (
         "guarded row"
@@ -246,7 +249,7 @@ def _unreached(
 def _fire_row(
     machine: LifecycleMachine[Any, Any, Any, Any],
     tracker: Any,
-    row: Row[Any, Any, Any],
+    row: Row[Any, Any, Any, Any],
     setups: SetUps | None,
     *,
     hint: bool = True,
@@ -277,7 +280,7 @@ def _fire_row(
 def tracker_in(
     state: S,
     machine: LifecycleMachine[S, E, Any, Any],
-    factory: Callable[[str], T],
+    factory: Callable[..., T],
     *,
     req_id: Any = "req-under-test",
     setups: SetUps | None = None,
@@ -298,8 +301,8 @@ def tracker_in(
 
 
 def check_row(
-    row: Row[S, E, Any],
-    table: Table[S, E, Any],
+    row: Row[S, E, Any, Any],
+    table: Table[S, E, Any, Any],
     factory: Factory,
     setups: SetUps | None = None,
     *,
@@ -326,7 +329,7 @@ def check_row(
 
 def check_case(
     case: Case[S, E],
-    table: Table[S, E, Any],
+    table: Table[S, E, Any, Any],
     factory: Factory,
     setups: SetUps | None = None,
     *,
@@ -378,7 +381,7 @@ def check_case(
 
 def _check_strict(
     case: Case[S, E],
-    table: Table[S, E, Any],
+    table: Table[S, E, Any, Any],
     factory: Factory,
     setups: SetUps | None,
     key: Any,
@@ -410,7 +413,8 @@ def _expect(ok: bool, case: Case[Any, Any], what: str) -> None:  # noqa: FBT001
 
 
 def machine_mismatches(
-    machine: LifecycleMachine[S, E, Any], table: Table[S, E] | None = None
+    machine: LifecycleMachine[S, E, Any, Any],
+    table: Table[S, E, Any, Any] | None = None,
 ) -> list[str]:
     """Differences between the machine's `transitions` machine and a table.
 
@@ -436,14 +440,16 @@ def machine_mismatches(
     return problems
 
 
-def pytest_cases(table: Table[Any, Any]) -> list[Any]:
+def pytest_cases(table: Table[Any, Any, Any, Any]) -> list[Any]:
     """`matrix` as ``pytest.param`` objects with readable ids."""
     import pytest
 
     return [pytest.param(c, id=c.id) for c in matrix(table)]
 
 
-def event_sequences(table: Table[Any, Any], max_size: int = 40) -> Any:
+def event_sequences(
+    table: Table[Any, Any, Any, Any], max_size: int = 40
+) -> Any:
     """A hypothesis strategy of event lists (any order, any length)."""
     from hypothesis import strategies as st
 
@@ -462,13 +468,13 @@ def event_data_sequences(
     )
 
 
-def _route(_tracker: object, row: Row[Any, Any, Any]) -> object:
+def _route(_tracker: object, row: Row[Any, Any, Any, Any]) -> object:
     """The set-up of a structural table's guarded row: its destination."""
     return row.dest
 
 
 def table_tests(  # noqa: C901 - one class of small tests
-    table: Table[Any, Any, Any],
+    table: Table[Any, Any, Any, Any],
     factory: Factory,
     *,
     examples: int = 200,
@@ -520,7 +526,7 @@ def table_tests(  # noqa: C901 - one class of small tests
             "row", [pytest.param(r, id=str(r)) for r in guarded] or [None]
         )
         def test_every_guarded_row_is_reached(
-            self, row: Row[Any, Any, Any] | None
+            self, row: Row[Any, Any, Any, Any] | None
         ) -> None:
             if row is None:
                 assert not guarded

@@ -36,7 +36,7 @@ typecheck: $(STAMP)
 
 # The typing suite: mypy --strict over tests/typing/ (assert_type checks
 # that must pass, misuse that must fail on the lines marked `# E:`) and the
-# README's own example (tests/test_typing.py).
+# define-your-own example of docs/guide-lifecycle.md (tests/test_typing.py).
 typing: $(STAMP)
 	$(PY) -m pytest tests/test_typing.py -q $(PYTEST_ARGS)
 

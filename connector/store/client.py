@@ -361,8 +361,11 @@ class StoreClient:
         storage = tensor.untyped_storage()
         return self.register(storage.data_ptr(), storage.nbytes())
 
-    def unregister(self, ptr: int) -> None:
+    def unregister(self, ptr: int) -> int:
         """Forget a region registered at exactly ``ptr``.
+
+        Returns:
+            Its size in bytes (to register it again).
 
         Raises:
             RegistrationError: it was not registered or Mooncake refused.
@@ -377,6 +380,12 @@ class StoreClient:
             if rc != 0:
                 reason = "Mooncake refused to unregister"
                 raise RegistrationError(ptr, nbytes, rc, reason)
+            return nbytes
+
+    def is_registered(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``[ptr, ptr + nbytes)`` lies inside registered memory."""
+        with self._lock:
+            return self._covered(ptr, nbytes)
 
     def _covered(self, ptr: int, nbytes: int) -> bool:
         index = bisect.bisect_right(self._starts, ptr) - 1

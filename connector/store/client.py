@@ -31,6 +31,7 @@ per concurrent caller (``DEAD_MASTER_STALL_S`` documents the second bound).
 from __future__ import annotations
 
 import bisect
+import ctypes
 import logging
 import os
 import threading
@@ -79,6 +80,7 @@ from connector.store.mooncake import (
     _local_address,
     _mooncake_store,
     _probe_master,
+    probe_tcp,
 )
 from connector.store.regions import Regions, RegionsLike
 
@@ -100,6 +102,13 @@ returns ``RPC_FAIL``; neither ``MC_RPC_TIMEOUT_MS`` nor
 ``MC_RPC_CONNECT_TIMEOUT_MS`` shortens it.
 """
 
+MASTER_GONE: Final = 0.25
+"""Seconds `StoreClient.close` waits for a TCP connect to an unhealthy
+master before it leaves the Mooncake client to process exit."""
+
+_KEPT_OPEN: list[Any] = []
+"""Mooncake objects left to process exit (never destroyed)."""
+
 
 class StoreClient:
     """A Mooncake store client with typed, bounded, thread-safe calls.
@@ -119,12 +128,16 @@ class StoreClient:
         replicate_config: Any = None,
         check_regions: bool = False,
         reader: ReplicaReader | None = None,
+        probe_on_close: bool = False,
     ) -> None:
         """Wrap an already set-up ``store``; prefer ``StoreClient.open``.
 
         ``reader`` is the transfer engine ``store`` was set up on (None:
-        a failed get is not retried on another replica).
+        a failed get is not retried on another replica).  With
+        ``probe_on_close`` (the real store), ``close`` first checks that
+        the master accepts connections.
         """
+        self._probe_on_close = probe_on_close
         self._store = store
         self._reader = reader
         self.config = config
@@ -140,6 +153,9 @@ class StoreClient:
         self._idle = threading.Condition(self._lock)
         self._inflight = 0
         self._closed = False
+        #: Why `close` left the Mooncake client to process exit (None: it
+        #: closed it, or was not called).
+        self.left_to_exit: str | None = None
         self._registered: dict[int, int] = {}
         self._starts: list[int] = []
 
@@ -235,17 +251,24 @@ class StoreClient:
             replicate_config=replicate,
             check_regions=check_regions,
             reader=reader,
+            probe_on_close=real,
         )
 
     def close(self) -> bool:
         """Close the client; idempotent, bounded by ``close_timeout_ms``.
 
         Waits for in-flight calls (new calls raise ``StoreClosedError``),
-        then closes the Mooncake client in a helper thread (it blocks for
-        1-2 s).
+        then closes the Mooncake client.  Mooncake's ``close()`` holds the
+        GIL for its whole duration (measured: 1.0 s with the master up,
+        16 s with it gone: every Python thread stalls), so it is skipped,
+        leaving the client to process exit, when
+
+        * calls are still in flight at the bound (closing under them
+          would free what they use), or
+        * the master does not accept connections (``MASTER_GONE``).
 
         Returns:
-            Whether everything finished within the bound.
+            Whether the Mooncake client was closed within the bound.
         """
         deadline = time.monotonic() + self.config.close_timeout_ms / 1000
         with self._lock:
@@ -256,11 +279,23 @@ class StoreClient:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.warning(
-                        "closing with %d call(s) still in flight",
+                        "Mooncake store not closed: %d call(s) still in "
+                        "flight after %d ms; left to process exit",
                         self._inflight,
+                        self.config.close_timeout_ms,
                     )
-                    break
+                    self._leave_to_exit("calls in flight")
+                    return False
                 self._idle.wait(left)
+        if not self._master_answers():
+            log.warning(
+                "Mooncake store not closed: the master at %s does not "
+                "answer (its close() would stall every thread for 10-18 "
+                "s); left to process exit",
+                self.config.master_server_address,
+            )
+            self._leave_to_exit("master gone")
+            return False
         result: list[int] = []
         closer = threading.Thread(
             target=lambda: result.append(self._store.close()),
@@ -280,6 +315,36 @@ class StoreClient:
             self._reader.close()
         if result and result[0] != 0:
             log.warning("Mooncake store close() returned %d", result[0])
+        return True
+
+    def _leave_to_exit(self, why: str) -> None:
+        """Keep the Mooncake objects alive until the process exits.
+
+        Their destructors tear down like ``close()`` (GIL held, 5-10 s
+        without a master).  Mooncake's own exit handler still joins its
+        threads (one reconnect attempt, about 5 s, without a master).
+        """
+        self.left_to_exit = why
+        _KEPT_OPEN.append(self._store)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._store))
+        if self._reader is not None:
+            _KEPT_OPEN.append(self._reader)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._reader))
+
+    def _master_answers(self) -> bool:
+        """Whether the master accepts a TCP connection now.
+
+        Not the health flag: Mooncake's ping thread sets it seconds after
+        the master died.  True without a probe (a store given by a test).
+        """
+        if not self._probe_on_close:
+            return True
+        try:
+            probe_tcp(
+                self.config.master_host, self.config.master_port, MASTER_GONE
+            )
+        except OSError:
+            return False
         return True
 
     def __enter__(self) -> Self:

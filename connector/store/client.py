@@ -108,6 +108,12 @@ master before it leaves the Mooncake client to process exit."""
 
 _KEPT_OPEN: list[Any] = []
 """Mooncake objects left to process exit (never destroyed)."""
+_LEFT_WHY: set[str] = set()
+
+
+def left_open() -> list[str]:
+    """Why clients of this process were left to process exit (sorted)."""
+    return sorted(_LEFT_WHY)
 
 
 class StoreClient:
@@ -325,6 +331,7 @@ class StoreClient:
         threads (one reconnect attempt, about 5 s, without a master).
         """
         self.left_to_exit = why
+        _LEFT_WHY.add(why)
         _KEPT_OPEN.append(self._store)
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._store))
         if self._reader is not None:

@@ -28,6 +28,7 @@ import attrs
 
 from connector.config import StoreConfig
 from connector.store import StoreClient
+from connector.store.client import left_open
 
 log: Final = logging.getLogger(__name__)
 
@@ -77,20 +78,21 @@ def release(client: StoreClient) -> None:
 def close_all() -> None:
     """Close every client (at process exit, or when a test is done).
 
-    A client left open (its master gone, or calls still in flight: see
-    `StoreClient.close`) would still be torn down by Mooncake's own C
-    exit handler, which then joins its reconnecting threads for 5-15 s.
-    At process exit, such a client makes the process end right after
-    Python's own finalization instead (`_exit_before_native_teardown`).
+    A client left open, by this or an earlier `close` (its master gone,
+    or calls still in flight: see `StoreClient.close`), would be torn
+    down by Mooncake's own C exit handler, which then joins its
+    reconnecting threads for 5-15 s.  At process exit, such a client
+    makes the process end right after Python's own finalization instead
+    (`_exit_before_native_teardown`).
     """
     with _LOCK:
         clients = list(_CLIENTS.values())
         _CLIENTS.clear()
-    left = [c for c in clients if not c.close() and c.left_to_exit]
-    if left and _exiting():
-        _exit_before_native_teardown(
-            ", ".join(sorted({str(c.left_to_exit) for c in left}))
-        )
+    for client in clients:
+        client.close()
+    why = left_open()
+    if why and _exiting():
+        _exit_before_native_teardown(", ".join(why))
 
 
 def _exiting() -> bool:

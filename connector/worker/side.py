@@ -464,10 +464,8 @@ class WorkerSide:
             thread.join(max(deadline - time.monotonic(), 0.0))
         stopped = not any(t.is_alive() for t in self._threads)
         stopped = self._late_gets_done(deadline) and stopped
-        for lane in self.lanes:
-            staging = getattr(lane.transfer, "loads", None)
-            if staging is not None:
-                staging.close()
+        for staging in self._stagings():
+            staging.close()
         if not stopped:
             log.warning(
                 "transfer threads still running after %.1f s; abandoned "
@@ -671,15 +669,23 @@ class WorkerSide:
     def _late_gets_done(self, deadline: float) -> bool:
         """Wait until no load staging buffer is held by a late get."""
         while True:
-            held = sum(
-                getattr(getattr(lane.transfer, "loads", None), "held_late", 0)
-                for lane in self.lanes
-            )
+            held = sum(staging.held_late for staging in self._stagings())
             if not held:
                 return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
+
+    def _stagings(self) -> list[Any]:
+        """Every lane's load staging (`LoadStaging`), head shards too."""
+        found = []
+        for lane in self.lanes:
+            parts = getattr(lane.transfer, "parts", (lane.transfer,))
+            for part in parts:
+                staging = getattr(part, "loads", None)
+                if staging is not None:
+                    found.append(staging)
+        return found
 
     def suspend(self, timeout: float = 10.0) -> bool:
         """Before the KV memory goes away (sleep mode): drain, then stop.

@@ -216,7 +216,12 @@ class StoreConfig:
     close_timeout_ms: int = attrs.field(
         default=5000,
         validator=[of_type(int), positive],
-        metadata=key_help("Bound of closing the store client.", coerce_int),
+        metadata=key_help(
+            "How long closing the store client waits for calls in flight; "
+            "with calls still in flight then, or the master gone, the "
+            "client is left to process exit.",
+            coerce_int,
+        ),
     )
     replica_num: int = attrs.field(
         default=1,

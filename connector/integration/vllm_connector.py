@@ -101,6 +101,13 @@ if TYPE_CHECKING:
 
 log: Final = logging.getLogger(__name__)
 
+DRAIN_TIMEOUT_S: Final = 10.0
+"""How long `shutdown` and `unregister_kv_caches` wait for transfers."""
+
+_KEPT: list[Any] = []
+"""Workers whose transfers did not stop: held (with their KV memory, still
+registered) until the process exits, so no transfer touches freed memory."""
+
 
 class LifecycleConnectorMetadata(KVConnectorMetadata):
     """vLLM's scheduler -> worker envelope around a `ConnectorMeta`."""
@@ -191,6 +198,9 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             kind (e.g. Mamba state without align mode), naming every
             group's kind.
     """
+
+    _asleep: list[tuple[int, int]] | None = None
+    """While asleep: the (address, bytes) to register again at wake-up."""
 
     def __init__(
         self,
@@ -510,6 +520,62 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats.watch(self._worker.machine)
         self._stats.groups = self._worker_group_stats
 
+    def unregister_kv_caches(self) -> None:
+        """Before sleep mode frees the KV cache: drain, then unregister.
+
+        Transfers queued or running may end (bounded by
+        `DRAIN_TIMEOUT_S`); until `restore_kv_caches` no job runs (one
+        the worker takes is cancelled: its blocks are recomputed or not
+        stored).  If a transfer is still stuck in the store, the memory
+        stays registered and an ERROR says so.  Idempotent.
+        """
+        worker, client = self._worker, self._client
+        if worker is None or client is None or self._asleep is not None:
+            return
+        if not worker.suspend(DRAIN_TIMEOUT_S):
+            log.error(
+                "kv-lifecycle: a KV transfer is still running %.0f s after "
+                "sleep mode asked to unregister the KV cache; its memory "
+                "stays registered and the transfer may touch it",
+                DRAIN_TIMEOUT_S,
+            )
+            self._asleep = []
+            return
+        self._take_registered()
+        self._asleep = [(p, client.unregister(p)) for p in self._registered]
+        self._registered.clear()
+        log.info(
+            "kv-lifecycle: KV cache unregistered for sleep mode (%d regions)",
+            len(self._asleep),
+        )
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: register the KV memory again; jobs run again.
+
+        vLLM maps the KV cache back at the same addresses.  Idempotent.
+        """
+        worker, client, asleep = self._worker, self._client, self._asleep
+        if worker is None or client is None or asleep is None:
+            return
+        for ptr, nbytes in asleep:
+            if client.register(ptr, nbytes):
+                self._registered.append(ptr)
+        self._asleep = None
+        worker.resume()
+        log.info(
+            "kv-lifecycle: KV cache registered again after wake-up "
+            "(%d regions)",
+            len(asleep),
+        )
+
+    def _take_registered(self) -> None:
+        """Add what the worker registered since (load staging buffers)."""
+        if self._worker is not None:
+            more = self._worker.registered
+            self._registered.extend(
+                p for p in more if p not in self._registered
+            )
+
     def _group_layers(
         self, kv_caches: dict[str, torch.Tensor], index: int
     ) -> list[str]:
@@ -682,6 +748,11 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         """Drain the transfer threads (bounded) and release the client.
 
+        The KV memory is unregistered only once the transfer threads
+        stopped; if one is stuck in the store (bounded by
+        `DRAIN_TIMEOUT_S`), the worker and its KV views are kept, still
+        registered, until the process exits (a WARNING says so).
+
         Logs once what the half still held: ``kv-lifecycle <half> half
         shutting down (pid P): T live trackers, J open jobs`` (INFO when
         both are 0, else WARNING).
@@ -701,17 +772,24 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             self._trace.close()
         if self._scheduler is not None:
             self._scheduler.close()
+        stopped = True
         if self._worker is not None:
             # Load staging may have registered more buffers since.
-            more = self._worker.registered
-            self._registered.extend(
-                p for p in more if p not in self._registered
-            )
-            self._worker.shutdown()
+            self._take_registered()
+            stopped = self._worker.shutdown(DRAIN_TIMEOUT_S)
+            if not stopped:
+                _KEPT.append(self._worker)
+                log.warning(
+                    "kv-lifecycle: KV memory kept registered and held until "
+                    "the process exits: %d region(s) a stuck transfer may "
+                    "still touch",
+                    len(self._registered),
+                )
             self._worker = None
         if self._client is not None:
-            for ptr in self._registered:
-                self._client.unregister(ptr)
+            if stopped:
+                for ptr in self._registered:
+                    self._client.unregister(ptr)
             self._registered.clear()
             clients.release(self._client)
             self._client = None

@@ -119,7 +119,11 @@ class Sharded:
             msg = "no shard to move"
             raise ValueError(msg)
         self.parts = tuple(parts)
-        self.registered = tuple(a for p in self.parts for a in p.registered)
+
+    @property
+    def registered(self) -> tuple[int, ...]:
+        """Every shard's registered addresses (load staging grows later)."""
+        return tuple(a for p in self.parts for a in p.registered)
 
     def layer_written(self, layer: str) -> None:
         """Every shard's transfer marks the layer."""

@@ -248,6 +248,11 @@ class WorkerSide:
         self._meta_step = -1  # last metadata whose notices and loads ran
         self._save_step = -1  # last metadata whose saves were queued
         self._closed = False
+        # Jobs handed to the loops and not yet ended (`drain`, `suspend`).
+        self._queued = 0
+        self._idle = threading.Condition(threading.Lock())
+        # Asleep (`suspend`): a job the loops take now is cancelled, not run.
+        self._suspended = False
         self.jobs_done = {JobKind.LOAD: 0, JobKind.SAVE: 0}
         self.jobs_failed = {JobKind.LOAD: 0, JobKind.SAVE: 0}
         self.jobs_cancelled = 0
@@ -339,7 +344,7 @@ class WorkerSide:
                 continue
             lanes = self._lanes_for(meta)
             if job.pinned:
-                self._queues[JobKind.SAVE].put((job, fence, lanes, None))
+                self._enqueue(JobKind.SAVE, (job, fence, lanes, None))
             else:
                 self._run(job, fence, lanes)
 
@@ -440,34 +445,31 @@ class WorkerSide:
 
         A cancelled job fires its failure event and is reported cancelled.
         A transfer stuck in the store cannot be interrupted: its thread is
-        a daemon and is abandoned after `timeout`.
+        a daemon and is abandoned after `timeout`.  Until this returns
+        True the store may still read or write the worker's memory: only
+        then may the caller unregister it (the worker holds the KV views
+        while it lives; a holder of a worker that did not stop keeps it).
 
         Returns:
-            Whether both transfer threads stopped.
+            Whether both transfer threads stopped and no late get (load
+            staging) still holds a buffer.
         """
         if not self._closed:
             self._closed = True
+            self._cancel_queued()
             for kind in JobKind:
-                source = self._queues[kind]
-                while True:
-                    try:
-                        item = source.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is not None:
-                        self._cancel(item[0], item[3])
-                source.put(None)
+                self._queues[kind].put(None)
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(deadline - time.monotonic(), 0.0))
-        for lane in self.lanes:
-            staging = getattr(lane.transfer, "loads", None)
-            if staging is not None:
-                staging.close()
         stopped = not any(t.is_alive() for t in self._threads)
+        stopped = self._late_gets_done(deadline) and stopped
+        for staging in self._stagings():
+            staging.close()
         if not stopped:
             log.warning(
-                "transfer threads still running after %.1f s; abandoned",
+                "transfer threads still running after %.1f s; abandoned "
+                "(their memory stays registered and held)",
                 timeout,
             )
         return stopped
@@ -495,8 +497,9 @@ class WorkerSide:
                     if timeout is not None:
                         deadline = Deadline.after(timeout)
                         self._deadlines[job.job_id] = (job, deadline)
-                    self._queues[JobKind.LOAD].put(
-                        (job, (), self._lanes_for(meta), deadline)
+                    self._enqueue(
+                        JobKind.LOAD,
+                        (job, (), self._lanes_for(meta), deadline),
                     )
 
     def _lanes_for(self, meta: ConnectorMeta) -> tuple[Lane, ...]:
@@ -610,9 +613,105 @@ class WorkerSide:
 
         def serve() -> None:
             while (item := source.get()) is not None:
-                self._run(*item)
+                try:
+                    if self._suspended:
+                        self._cancel(item[0], item[3])
+                    else:
+                        self._run(*item)
+                finally:
+                    self._ended(1)
 
         return serve
+
+    def _enqueue(self, kind: JobKind, item: _Queued) -> None:
+        with self._idle:
+            self._queued += 1
+        self._queues[kind].put(item)
+
+    def _ended(self, count: int) -> None:
+        with self._idle:
+            self._queued -= count
+            if not self._queued:
+                self._idle.notify_all()
+
+    def _cancel_queued(self) -> None:
+        """Cancel every job still queued (not the ones running)."""
+        for kind in JobKind:
+            source = self._queues[kind]
+            while True:
+                try:
+                    item = source.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    source.put(None)  # keep the stop for its loop
+                    break
+                try:
+                    self._cancel(item[0], item[3])
+                finally:
+                    self._ended(1)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queued and running job ended (`timeout` s).
+
+        Returns:
+            Whether none is left.
+        """
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._queued:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return self._late_gets_done(deadline)
+
+    def _late_gets_done(self, deadline: float) -> bool:
+        """Wait until no load staging buffer is held by a late get."""
+        while True:
+            held = sum(staging.held_late for staging in self._stagings())
+            if not held:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def _stagings(self) -> list[Any]:
+        """Every lane's load staging (`LoadStaging`), head shards too."""
+        found = []
+        for lane in self.lanes:
+            parts = getattr(lane.transfer, "parts", (lane.transfer,))
+            for part in parts:
+                staging = getattr(part, "loads", None)
+                if staging is not None:
+                    found.append(staging)
+        return found
+
+    def suspend(self, timeout: float = 10.0) -> bool:
+        """Before the KV memory goes away (sleep mode): drain, then stop.
+
+        Queued and running jobs may end within `timeout`; then jobs
+        still queued are cancelled, and until `resume` every job the
+        loops take is cancelled, never run.
+
+        Returns:
+            Whether no transfer is running (False: one is stuck in the
+            store and may still touch the KV memory).
+        """
+        idle = self.drain(timeout)
+        self._suspended = True
+        if not idle:
+            self._cancel_queued()
+        return idle or self.drain(0.0)
+
+    def resume(self) -> None:
+        """After the KV memory is back (wake-up): jobs run again."""
+        self._suspended = False
+
+    @property
+    def suspended(self) -> bool:
+        """Whether `suspend` ran without a `resume` since."""
+        return self._suspended
 
     def _run(
         self,

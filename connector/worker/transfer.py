@@ -264,6 +264,11 @@ class Transfer(Protocol):
 class Direct:
     """Zero copy: the store reads and writes the (host) KV tensors.
 
+    The layout holds only addresses: the tensors behind them must outlive
+    every registration and transfer over them.  `memory` holds them for
+    as long as this transfer lives (`open_transfer` passes the KV views);
+    without it the caller keeps them alive.
+
     Args:
         layout: Where the blocks live (registered with the store).
         regions: Builds a store batch (`connector.store.Regions`).
@@ -271,6 +276,7 @@ class Direct:
         loads: Where loads land first when they have a deadline (a
             transfer given up must not write into the KV cache later);
             None: loads are zero copy too, and unbounded.
+        memory: The tensors (or views) the layout points into, held.
     """
 
     def __init__(
@@ -280,11 +286,13 @@ class Direct:
         registered: tuple[int, ...] = (),
         *,
         loads: LoadStaging | None = None,
+        memory: tuple[Any, ...] = (),
     ) -> None:
         self.layout = layout
         self._regions = regions
         self._registered = registered
         self.loads = loads
+        self.memory = memory
 
     @property
     def registered(self) -> tuple[int, ...]:
@@ -654,6 +662,9 @@ def open_transfer(
 ) -> Transfer:
     """The transfer for these KV caches, with its memory registered.
 
+    The transfer holds views of the KV tensors (their storage stays
+    alive while it lives, even if the caller drops them).
+
     With `heads`, it moves that slice of every block's KV heads (one
     object of the head-sharded store layout, `head_pieces`).
 
@@ -712,4 +723,5 @@ def open_transfer(
         regions,
         tuple(registered),
         loads=loads,
+        memory=tuple(p.view for p in pieces),
     )

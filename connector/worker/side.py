@@ -70,13 +70,15 @@ from connector.metadata import (
 )
 from connector.worker.deadline import Deadline
 from connector.worker.lanes import Lane, move_blocks
-from connector.worker.transfer import (
+from connector.worker.pieces import (
     BatchOutcome,
     BlockStore,
     CopyWaits,
+    Register,
+)
+from connector.worker.transfer import (
     Direct,
     KVLayout,
-    Register,
     Segment,
     Transfer,
     open_transfer,

@@ -46,26 +46,3 @@ def test_tiny_run_prints_sane_json(capsys, master_binary):
 def test_unknown_mode_is_rejected():
     with pytest.raises(SystemExit):
         admission.main(["--modes", "ours,bogus"])
-
-
-def test_layerwise_store_hit_runs_a_step_sooner(capsys, master_binary):
-    """A store hit's asynchronous load costs a step before it runs; a
-    layer-wise one does not (both are asked for one step first)."""
-    argv = ["--json", "--arrivals", "8", "--repeats", "1", "--no-outage"]
-    argv += ["--modes", "ours,layerwise", "--forward-ms", "1"]
-
-    assert admission.main(argv) == 0
-
-    rows = {
-        r["mode"]: r for r in json.loads(capsys.readouterr().out)["results"]
-    }
-    ours, layerwise = rows["ours"], rows[admission.LAYERWISE]
-    assert "error" not in ours, rows
-    assert "error" not in layerwise, rows
-    steps = (
-        ours["extra_steps_to_run"]["store_hit"],
-        layerwise["extra_steps_to_run"]["store_hit"],
-    )
-    assert steps == (2, 1), rows
-    for row in (ours, layerwise):
-        assert row["extra_steps_to_schedule"]["store_hit"] == 1, row

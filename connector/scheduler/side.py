@@ -77,12 +77,13 @@ from connector.scheduler.requests import (
     REQUESTS,
     Allocated,
     Asked,
+    RequestMachine,
     RequestTracker,
     set_tables,
 )
 from connector.scheduler.states import StateOffers
 from lifecycle import LifecycleMachine, Registry
-from lifecycle.kv import Event, KVMachine, State
+from lifecycle.kv import Event, State
 
 log: Final = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class SchedulerSide:
         role: Role,
         lookup: HitLookup,
         world_size: int = 1,
-        machine: KVMachine | None = None,
+        machine: RequestMachine | None = None,
         lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
         max_pending: int = MAX_PENDING_LOOKUPS,
         threaded_lookups: bool = True,
@@ -212,7 +213,7 @@ class SchedulerSide:
             0 if self.groups.hybrid else layerwise_max_blocks
         )
         # The lookup thread only fills in its messages' answers.
-        self.machine: KVMachine = machine or LifecycleMachine(
+        self.machine: RequestMachine = machine or LifecycleMachine(
             REQUESTS, thread_safe=False
         )
         lookup_row = self.machine.table.get(State.NEW, Event.LOOKUP)

@@ -206,3 +206,33 @@ def test_the_first_layer_waits_for_a_slow_load(make):
     assert (w.jobs_done[LOAD], w.jobs_failed[LOAD]) == (1, 0)
     assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
     assert_clean(b)
+
+
+def test_tp_ranks_finish_their_layer_loads_at_different_times(make):
+    """Two ranks, each its own worker: rank 1's gets are slower (within
+    the deadline).  Each rank's first layer waits for its own load; vLLM
+    aggregates the ranks' reports; every rank's KV is checked when each
+    layer's attention runs.
+    """
+    a = make(tp_size=2, kv_heads=2, num_blocks=40)
+    a.add_request("a", prompt(9, PREFIX), max_tokens=2)
+    run(a)
+    b = make(
+        timeout=5.0,
+        tp_size=2,
+        kv_heads=2,
+        num_blocks=40,
+        enable_prefix_caching=False,
+    )
+    slow = b.ranks[1][0].worker_side
+    slow._store = _Slow(slow._store, 0.3)
+    b.add_request("b", [*prompt(9, PREFIX), 5], max_tokens=4)
+    seen = _statuses(b, "b")
+    run(b)
+    assert "WAITING_FOR_REMOTE_KVS" not in {s for s, _ in seen}
+    assert b.external_hit_tokens == PREFIX
+    for connector, _ in b.ranks:
+        w = connector.worker_side
+        assert (w.jobs_done[LOAD], w.jobs_failed[LOAD]) == (1, 0)
+    assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+    assert_clean(b)

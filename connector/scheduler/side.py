@@ -207,11 +207,8 @@ class SchedulerSide:
         self.save_decode = save_decode
         self.world_size = world_size
         self.groups = groups or KVGroups.single(block_size)
-        # Hybrid models never load layer-wise: recurrent state is not
-        # read by layer and their failures go per request.
-        self.layerwise_max_blocks = (
-            0 if self.groups.hybrid else layerwise_max_blocks
-        )
+        self._layerwise_tokens = 0
+        self.layerwise_max_blocks = layerwise_max_blocks
         # The lookup thread only fills in its messages' answers.
         self.machine: RequestMachine = machine or LifecycleMachine(
             REQUESTS, thread_safe=False
@@ -334,8 +331,23 @@ class SchedulerSide:
         hit = self._hit_tokens(tracker, tracker.num_tokens)
         if hit is None:
             return None, False
-        external = max(hit - num_computed_tokens, 0)
-        return external, external > 0 and not self.loads_layerwise(external)
+        external = hit - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        # Block-aligned: `loads_layerwise` as one comparison (a hot path).
+        return external, external > self._layerwise_tokens
+
+    @property
+    def layerwise_max_blocks(self) -> int:
+        """Most blocks of a layer-wise load (0: none)."""
+        return self._layerwise_tokens // self.block_size
+
+    @layerwise_max_blocks.setter
+    def layerwise_max_blocks(self, blocks: int) -> None:
+        # Hybrid models never load layer-wise: recurrent state is not
+        # read by layer and their failures go per request.
+        hybrid = self.groups.hybrid
+        self._layerwise_tokens = 0 if hybrid else blocks * self.block_size
 
     def loads_layerwise(self, external_tokens: int) -> bool:
         """Whether a hit of `external_tokens` loads layer-wise.
@@ -348,7 +360,7 @@ class SchedulerSide:
         decide alike.
         """
         blocks = external_tokens // self.block_size
-        return 0 < blocks <= self.layerwise_max_blocks
+        return 0 < blocks <= self._layerwise_tokens // self.block_size
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int

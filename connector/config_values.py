@@ -44,6 +44,7 @@ __all__ = [
     "coerce_str",
     "config_key",
     "key_help",
+    "not_negative",
     "of_type",
     "parse_size",
     "positive",
@@ -282,6 +283,12 @@ def positive(_: object, field: attrs.Attribute[Any], value: float) -> None:
     """Greater than 0."""
     if value <= 0:
         raise ConfigError(config_key(field), value, "must be positive")
+
+
+def not_negative(_: object, field: attrs.Attribute[Any], value: float) -> None:
+    """At least 0."""
+    if value < 0:
+        raise ConfigError(config_key(field), value, "must be 0 or more")
 
 
 def check_namespace(

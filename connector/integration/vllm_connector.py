@@ -290,6 +290,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                     failed_keys=FailedKeys(ttl_s, peers=fence),
                     groups=self._groups if hybrid else None,
                     save_decode=self._parallel.save_decode_cache,
+                    layerwise_max_blocks=self._loads.layerwise_max_blocks,
                 )
                 if _kv_events_on(vllm_config):
                     self._scheduler.jobs.events = StoreEvents(
@@ -350,7 +351,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Longest stored prefix beyond the local hit; loaded async."""
+        """Longest stored prefix beyond the local hit; loaded async?"""
         return (
             self._scheduler or self.scheduler_side
         ).get_num_new_matched_tokens(request, num_computed_tokens)
@@ -623,13 +624,15 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Queue this step's loads (all async)."""
+        """Queue this step's asynchronous loads; start its layer-wise ones."""
         del forward_context, kwargs
         if self._worker is not None:
             self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: loads are async and whole-request."""
+        """Wait for the step's layer-wise loads (bounded by their deadline)."""
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self,
@@ -710,6 +713,19 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> LifecycleConnectorStats | None:
         """This half's lifecycle and store figures since the last call."""
         return self._stats.take()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(
+        cls, extra_config: dict[str, Any]
+    ) -> bool:
+        """Layer-wise loads wait inside the forward: no full CUDA graphs.
+
+        Raises:
+            ConfigError: naming a bad load key.
+        """
+        return (
+            LoadConfig.from_extra_config(extra_config).layerwise_max_blocks > 0
+        )
 
     @classmethod
     def build_kv_connector_stats(

@@ -40,7 +40,12 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 
-from connector.worker.deadline import Deadline, LoadStaging
+from connector.worker.deadline import (
+    RUN_COPY_RATIO,
+    Deadline,
+    LoadStaging,
+    block_runs,
+)
 from connector.worker.pieces import (
     BlockStore,
     CopyWaits,
@@ -540,6 +545,11 @@ class Staged:
         return self._saves.slots
 
     @property
+    def pieces(self) -> tuple[Piece, ...]:
+        """The KV cache's blocks-first piece views, in layer order."""
+        return self._pieces
+
+    @property
     def ops(self) -> tuple[DeviceOps, DeviceOps]:
         """The (load, save) lanes' device ops."""
         return self.loads.ops, self._saves.ops
@@ -628,14 +638,19 @@ class Staged:
         """Copy `chunk`'s blocks into staging slots 0..k-1, then wait.
 
         Layer by layer, each piece after its layer's mark: with
-        `LayerWaits`, as soon as the forward wrote that layer.
+        `LayerWaits`, as soon as the forward wrote that layer.  Runs of
+        consecutive block ids (a prefill's) are copied as slices, one copy
+        per run and piece; scattered ids, by one indexed gather per piece.
         """
         import torch
 
         ops, k = lane.ops, len(chunk)
         rows = lane.buffer[:k]
+        runs = block_runs(chunk)
         with ops.side():
-            ids = torch.tensor(chunk, dtype=torch.int64, device=ops.device)
+            ids = None
+            if len(runs) * RUN_COPY_RATIO > k:  # scattered: one gather
+                ids = torch.tensor(chunk, dtype=torch.int64, device=ops.device)
             # Pack on the device (strided copies stay on the device), then
             # one contiguous copy into the pinned rows.
             same = rows.device == ops.device
@@ -655,10 +670,14 @@ class Staged:
                 self._pieces, self._offsets, marks, strict=True
             ):
                 ops.wait(mark)
-                part = piece.view.index_select(0, ids).reshape(k, -1)
-                packed[:, offset : offset + piece.nbytes].copy_(
-                    part.view(torch.uint8)
-                )
+                columns = packed[:, offset : offset + piece.nbytes]
+                if ids is not None:
+                    part = piece.view.index_select(0, ids).reshape(k, -1)
+                    columns.copy_(part.view(torch.uint8))
+                    continue
+                for first, row, n in runs:  # consecutive blocks: a slice
+                    part = piece.view[first : first + n].reshape(n, -1)
+                    columns[row : row + n].copy_(part.view(torch.uint8))
             if not same:
                 rows.copy_(packed, non_blocking=True)
             ops.sync()

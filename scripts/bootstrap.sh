@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
-APT_PKGS=(graphviz libibverbs1 libnuma1)
+# etcd-server: etcd for the HA-master tests (tests/test_ha.py, issue 33).
+APT_PKGS=(graphviz libibverbs1 libnuma1 etcd-server)
 
 missing=()
 for p in "${APT_PKGS[@]}"; do

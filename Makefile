@@ -4,13 +4,20 @@ PY := .venv/bin/python
 STAMP := .venv/.bootstrapped
 REQS := requirements/base.txt $(wildcard requirements/*.txt) scripts/bootstrap.sh $(wildcard scripts/install_vllm.sh) scripts/install_self.sh pyproject.toml
 PYTEST_ARGS ?=
+# The supported Pythons: .venv's runs the whole suite (the local CPU torch
+# wheel is cp311 only); the matrix runs the part that needs neither torch
+# nor vLLM, a venv each (.venv-py3.12, ...; scripts/pymatrix.sh).
+# pyproject.toml's requires-python and classifiers list exactly these
+# (tests/test_packaging.py).
+MAIN_PYTHON := 3.11
+PYMATRIX := 3.12 3.13
 
-.PHONY: all venv venv-e2e e2e unit-e2e serving-e2e bench-ttft cluster bench-cluster bench-ha bench-multiturn bench-tp test lint imports typecheck diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
+.PHONY: all venv venv-e2e pymatrix e2e unit-e2e serving-e2e bench-ttft cluster bench-cluster bench-ha bench-multiturn bench-tp test lint imports typecheck typing diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
 
 all: test
 
 $(STAMP): $(REQS)
-	scripts/bootstrap.sh
+	PYTHON=$${PYTHON:-python$(MAIN_PYTHON)} scripts/bootstrap.sh
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -26,6 +33,12 @@ imports: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy --strict lifecycle connector harness demo examples
 	$(PY) -m mypy --strict docs/_ext docs/conf.py
+
+# The typing suite: mypy --strict over tests/typing/ (assert_type checks
+# that must pass, misuse that must fail on the lines marked `# E:`) and the
+# README's own example (tests/test_typing.py).
+typing: $(STAMP)
+	$(PY) -m pytest tests/test_typing.py -q $(PYTEST_ARGS)
 
 # Every shipped table: the KV lifecycle, the connector's admission lookup,
 # and the P/D producer and consumer.
@@ -47,7 +60,12 @@ docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -E -b html docs $(DOCS_OUT)
 	@echo "docs: $(DOCS_OUT)/index.html"
 
-test: lint imports typecheck diagrams-check docs unit unit-e2e serving-e2e
+test: lint imports typecheck typing diagrams-check docs unit pymatrix unit-e2e serving-e2e
+
+# The Python matrix (about 2 minutes per Python on the 2-core machine,
+# plus about 1 minute per venv when requirements/pymatrix.txt changed).
+pymatrix:
+	scripts/pymatrix.sh $(PYMATRIX)
 
 # The ordering fuzzer with a large budget (`make test` runs the CI budget).
 # FUZZ_EXAMPLES=N overrides the number of examples.
@@ -95,7 +113,7 @@ E2E_PY := .venv-e2e/bin/python
 E2E_STAMP := .venv-e2e/.installed
 
 $(E2E_STAMP): requirements/e2e.txt scripts/install_e2e.sh scripts/install_self.sh pyproject.toml
-	scripts/install_e2e.sh .venv-e2e
+	PYTHON=$${PYTHON:-python$(MAIN_PYTHON)} scripts/install_e2e.sh .venv-e2e
 	touch $(E2E_STAMP)
 
 venv-e2e: $(E2E_STAMP)
@@ -118,4 +136,4 @@ bench-ttft: $(E2E_STAMP)
 	$(E2E_PY) -m benchmarks.ttft --json
 
 clean:
-	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf .venv $(PYMATRIX:%=.venv-py%) build/pymatrix .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -153,7 +153,7 @@ def _timed(run: Callable[[], int]) -> float:
 
 
 def _fired(
-    machine: LifecycleMachine[Any, Any, Any],
+    machine: LifecycleMachine[Any, Any, Any, Any],
     trackers: list[Any],
     cycle: tuple[Any, ...],
 ) -> Callable[[], int]:
@@ -172,7 +172,9 @@ def _fired(
 
 
 def _dict_moves(
-    table: Table[Any, Any], trackers: list[Any], cycle: tuple[Any, ...]
+    table: Table[Any, Any, Any, Any],
+    trackers: list[Any],
+    cycle: tuple[Any, ...],
 ) -> Callable[[], int]:
     """The same walk through a plain (state, event) -> state dict."""
     dests = {(r.source, r.event): r.dest for r in table.rows}
@@ -251,7 +253,7 @@ def _dict_same_work(  # noqa: C901 - the hand-written baseline
 
 
 def _illegal(
-    machine: LifecycleMachine[State, Event], n: int
+    machine: LifecycleMachine[State, Event, Any, Any], n: int
 ) -> Callable[[], int]:
     trackers = [KVTracker(f"r{i}") for i in range(n)]
 
@@ -266,7 +268,7 @@ def _illegal(
 
 
 def _stock(
-    machine: LifecycleMachine[State, Event], n: int
+    machine: LifecycleMachine[State, Event, Any, Any], n: int
 ) -> Callable[[], int]:
     events = {e: stock_trigger(machine, e) for e in Event}
 

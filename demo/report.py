@@ -92,7 +92,7 @@ class SessionReport:
     wall_s: float
     ticks: int
     instances: tuple[InstanceStats, ...]
-    transitions: Mapping[Row[State, Event], int]
+    transitions: Mapping[Row[State, Event, Any, Any], int]
     illegal: Mapping[tuple[State | None, Event], int]
     stale: Mapping[tuple[State, Event], int]
     worker_illegal: Mapping[tuple[State | None, Event], int]
@@ -227,7 +227,7 @@ class SessionReport:
         return attrs.asdict(self.summary())
 
 
-def edge_name(row: Row[State, Event]) -> str:
+def edge_name(row: Row[State, Event, Any, Any]) -> str:
     """`SOURCE --event--> DEST`, as `python -m lifecycle replay` keys it."""
     return str(row)
 

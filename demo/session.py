@@ -396,7 +396,7 @@ class Session:
             failures.extend(
                 f"{inst.stats.name}: {f}" for f in harness.failures
             )
-        transitions: collections.Counter[Row[State, Event]] = (
+        transitions: collections.Counter[Row[State, Event, Any, Any]] = (
             collections.Counter()
         )
         illegal: collections.Counter[tuple[State | None, Event]] = (

@@ -134,31 +134,29 @@ RS, RE = RequestState, RequestEvent
 # Design: a load in flight is the only thing that outlives the scheduler's
 # view of a request (DRAINING waits for its one completion); a preemption
 # fences it by epoch instead of waiting.  FINISH is accepted everywhere.
-REQUEST: Final[Table[RequestState, RequestEvent, int | LoadJob | None]] = (
-    Table(
-        [
-            Row(RS.WAITING, RE.LOOKUP, RS.WAITING, after=(record_hits,)),
-            Row(RS.WAITING, RE.LOAD, RS.LOADING, after=(start_load,)),
-            Row(RS.WAITING, RE.RUN, RS.RUNNING),
-            Row(RS.WAITING, RE.FINISH, RS.FINISHED),
-            Row(RS.LOADING, RE.LOAD_DONE, RS.RUNNING, after=(settle_load,)),
-            Row(RS.LOADING, RE.LOAD_FAILED, RS.WAITING, after=(settle_load,)),
-            Row(RS.LOADING, RE.PREEMPT, RS.WAITING, after=(new_epoch,)),
-            Row(RS.LOADING, RE.FINISH, RS.DRAINING),
-            Row(RS.RUNNING, RE.PREEMPT, RS.WAITING, after=(new_epoch,)),
-            Row(RS.RUNNING, RE.FINISH, RS.FINISHED),
-            Row(RS.DRAINING, RE.LOAD_DONE, RS.FINISHED, after=(settle_load,)),
-            Row(
-                RS.DRAINING, RE.LOAD_FAILED, RS.FINISHED, after=(settle_load,)
-            ),
-            Row(RS.DRAINING, RE.FINISH, RS.DRAINING),
-        ],
-        initial=RS.WAITING,
-        terminal={RS.FINISHED},
-        total_events={RE.FINISH},
-        name="offload_request",
-        title="Offloading: request",
-    )
+REQUEST: Final[
+    Table[RequestState, RequestEvent, int | LoadJob | None, RequestTracker]
+] = Table(
+    [
+        Row(RS.WAITING, RE.LOOKUP, RS.WAITING, after=(record_hits,)),
+        Row(RS.WAITING, RE.LOAD, RS.LOADING, after=(start_load,)),
+        Row(RS.WAITING, RE.RUN, RS.RUNNING),
+        Row(RS.WAITING, RE.FINISH, RS.FINISHED),
+        Row(RS.LOADING, RE.LOAD_DONE, RS.RUNNING, after=(settle_load,)),
+        Row(RS.LOADING, RE.LOAD_FAILED, RS.WAITING, after=(settle_load,)),
+        Row(RS.LOADING, RE.PREEMPT, RS.WAITING, after=(new_epoch,)),
+        Row(RS.LOADING, RE.FINISH, RS.DRAINING),
+        Row(RS.RUNNING, RE.PREEMPT, RS.WAITING, after=(new_epoch,)),
+        Row(RS.RUNNING, RE.FINISH, RS.FINISHED),
+        Row(RS.DRAINING, RE.LOAD_DONE, RS.FINISHED, after=(settle_load,)),
+        Row(RS.DRAINING, RE.LOAD_FAILED, RS.FINISHED, after=(settle_load,)),
+        Row(RS.DRAINING, RE.FINISH, RS.DRAINING),
+    ],
+    initial=RS.WAITING,
+    terminal={RS.FINISHED},
+    total_events={RE.FINISH},
+    name="offload_request",
+    title="Offloading: request",
 )
 
 
@@ -237,7 +235,7 @@ BS, BE = BlockState, BlockEvent
 # has two guarded rows: the count decides.  A cancelled store's completion
 # arrives stale; its `always` callback settles `storing` in whatever state
 # the block is then (EMPTY, STORING again, STORED by a newer store...).
-BLOCK: Final[Table[BlockState, BlockEvent]] = Table(
+BLOCK: Final[Table[BlockState, BlockEvent, None, BlockTracker]] = Table(
     [
         Row(BS.EMPTY, BE.STORE, BS.STORING, after=(issue_store,)),
         Row(BS.STORING, BE.STORE_DONE, BS.STORED, always=(settle_store,)),

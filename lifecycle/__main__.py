@@ -34,7 +34,7 @@ class TableNotFoundError(Exception):
         return self.message
 
 
-def load_table(spec: str) -> Table[Any, Any]:
+def load_table(spec: str) -> Table[Any, Any, Any, Any]:
     """The `Table` named by ``MODULE:NAME``.
 
     Raises:
@@ -62,7 +62,7 @@ def _default_out() -> Path:
     return diagrams if diagrams.is_dir() else Path()
 
 
-def _render(args: argparse.Namespace, table: Table[Any, Any]) -> int:
+def _render(args: argparse.Namespace, table: Table[Any, Any, Any, Any]) -> int:
     out = _default_out() if args.out is None else Path(args.out)
     if not args.check:
         for path in render.write(out, table, args.stem):
@@ -90,18 +90,18 @@ def _render(args: argparse.Namespace, table: Table[Any, Any]) -> int:
     return 1
 
 
-def _table(_args: argparse.Namespace, table: Table[Any, Any]) -> int:
+def _table(_args: argparse.Namespace, table: Table[Any, Any, Any, Any]) -> int:
     print(render.to_markdown(table), end="")
     return 0
 
 
-def _demo(_args: argparse.Namespace, _table: Table[Any, Any]) -> int:
+def _demo(_args: argparse.Namespace, _table: Table[Any, Any, Any, Any]) -> int:
     from lifecycle.demo import walk  # noqa: PLC0415 - only for this command
 
     return walk()
 
 
-def _replay(args: argparse.Namespace, table: Table[Any, Any]) -> int:
+def _replay(args: argparse.Namespace, table: Table[Any, Any, Any, Any]) -> int:
     from lifecycle.trace import (  # noqa: PLC0415
         TableMismatchError,
         TraceError,

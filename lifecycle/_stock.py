@@ -43,7 +43,7 @@ class TxGuard:
         )
 
 
-def stock_machine(table: Table[Any, Any, Any]) -> Machine:
+def stock_machine(table: Table[Any, Any, Any, Any]) -> Machine:
     """The `transitions.Machine` of `table` (no model).
 
     Rows sharing a (source, event) are registered in table order:

@@ -84,7 +84,7 @@ class GuardRefused(LifecycleError):
     event: enum.Enum
     req_id: object
     epoch: int
-    rows: tuple[Row[Any, Any], ...] = ()
+    rows: tuple[Row[Any, Any, Any, Any], ...] = ()
     table: str | None = None
 
     def __str__(self) -> str:
@@ -135,7 +135,7 @@ class TableProblem:
 
     kind: str
     detail: str
-    rows: tuple[Row[Any, Any], ...] = ()
+    rows: tuple[Row[Any, Any, Any, Any], ...] = ()
 
     def __repr__(self) -> str:
         return f"TableProblem({self.kind!r}, {self.detail!r})"

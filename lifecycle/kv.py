@@ -197,7 +197,7 @@ def settle_load(tracker: KVTracker, _data: object = None) -> None:
 S = State
 E = Event
 
-TRANSITIONS: Final[tuple[Row[State, Event], ...]] = (
+TRANSITIONS: Final[tuple[Row[State, Event, object, KVTracker], ...]] = (
     # NEW: known, nothing allocated.  Lookups repeat while vLLM waits.
     Row(S.NEW, E.LOOKUP, S.NEW),
     Row(S.NEW, E.LOOKUP_DONE, S.NEW),
@@ -252,7 +252,7 @@ TRANSITIONS: Final[tuple[Row[State, Event], ...]] = (
 )
 
 
-TABLE: Final[Table[State, Event]] = Table(
+TABLE: Final[Table[State, Event, object, KVTracker]] = Table(
     TRANSITIONS,
     initial=State.NEW,
     terminal=TERMINAL,
@@ -262,5 +262,5 @@ TABLE: Final[Table[State, Event]] = Table(
 )
 """The request KV lifecycle, validated at import."""
 
-KVMachine = LifecycleMachine[State, Event, KVTracker]
+KVMachine = LifecycleMachine[State, Event, KVTracker, object]
 """The type of a machine of `TABLE` (``LifecycleMachine(TABLE)``)."""

@@ -21,8 +21,7 @@ import enum
 import logging
 import threading
 from collections import Counter
-from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, Final, Generic, Protocol
+from typing import TYPE_CHECKING, Any, Final, Generic, Never, Protocol
 
 from lifecycle._counts import Counts
 from lifecycle._generic import Padded
@@ -46,20 +45,20 @@ if TYPE_CHECKING:
         "T",
         bound=Tracker[Any, Any],
         contravariant=True,
-        default=Tracker[S, Hashable],
+        default=Never,
     )
-    D = TypeVar("D", default=Any)
+    D = TypeVar("D", contravariant=True, default=Never)  # noqa: PLC0105
     D_contra = TypeVar("D_contra", contravariant=True)
     S_contra = TypeVar("S_contra", bound=enum.Enum, contravariant=True)
     E_contra = TypeVar("E_contra", bound=enum.Enum, contravariant=True)
-    T_contra = TypeVar("T_contra", bound=Tracker[Any], contravariant=True)
+    T_contra = TypeVar("T_contra", bound=Tracker[Any, Any], contravariant=True)
 else:
     from typing import TypeVar
 
     S = TypeVar("S", bound=enum.Enum)
     E = TypeVar("E", bound=enum.Enum)
     T = TypeVar("T", bound=Tracker, contravariant=True)  # noqa: PLC0105
-    D = TypeVar("D")
+    D = TypeVar("D", contravariant=True)  # noqa: PLC0105
     D_contra = TypeVar("D_contra", contravariant=True)
     S_contra = TypeVar("S_contra", bound=enum.Enum, contravariant=True)
     E_contra = TypeVar("E_contra", bound=enum.Enum, contravariant=True)
@@ -73,16 +72,30 @@ REFUSED: Final = "refused"
 
 
 class Observer(Protocol[T_contra, S_contra, E_contra]):
-    """Called after every transition (inside it, under the machine's lock)."""
+    """Called after every transition (inside it, under the machine's lock).
+
+    Any callable ``(tracker, source, event, dest)`` whatever its parameter
+    names: the machine passes them by position.  ``source`` and ``dest``
+    are states of the table.
+    """
 
     def __call__(
-        self, tracker: T_contra, source: S_contra, event: E_contra, dest: Any
+        self,
+        tracker: T_contra,
+        source: S_contra,
+        event: E_contra,
+        dest: S_contra,
+        /,
     ) -> None:
         """Observe `tracker` moving from `source` to `dest` on `event`."""
 
 
 class RejectObserver(Protocol[S_contra, E_contra]):
-    """Called for every event not applied (under the machine's lock)."""
+    """Called for every event not applied (under the machine's lock).
+
+    Any callable ``(req_id, epoch, state, event, job_epoch, outcome)``
+    whatever its parameter names (passed by position).
+    """
 
     def __call__(  # noqa: PLR0917 - the observer protocol
         self,
@@ -92,6 +105,7 @@ class RejectObserver(Protocol[S_contra, E_contra]):
         event: E_contra,
         job_epoch: int | None,
         outcome: str,
+        /,
     ) -> None:
         """Observe an `event` that was not applied.
 
@@ -193,14 +207,14 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
 
     def __init__(
         self,
-        table: Table[S, E, D],
+        table: Table[S, E, D, T],
         *,
         strict: bool = False,
         thread_safe: bool = True,
         log_interval: float = 10.0,
         logger: logging.Logger = log,
     ) -> None:
-        self.table: Table[S, E, D] = table
+        self.table: Table[S, E, D, T] = table
         """The table this machine applies."""
         self.strict = strict
         """Whether policy violations raise (see the class)."""
@@ -218,7 +232,7 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         self._error_log = RateLimitedLog(logger, log_interval, logging.ERROR)
         self._observers: tuple[Observer[T, S, E], ...] = ()
         self._reject_observers: tuple[RejectObserver[S, E], ...] = ()
-        self._rows: tuple[Row[S, E, D], ...] = table.rows
+        self._rows: tuple[Row[S, E, D, T], ...] = table.rows
         self._counts: list[int] = [0] * len(table.rows)
         self._busy = [False]  # inside a transition (the reentrancy check)
         self._dispatch = self._compile()
@@ -560,7 +574,7 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
                 o for o in self._reject_observers if o is not observer
             )
 
-    def transition_counts(self) -> dict[Row[S, E, D], int]:
+    def transition_counts(self) -> dict[Row[S, E, D, T], int]:
         """How often each row applied, for every row (zeros included)."""
         with self._lock:
             return dict(zip(self._rows, self._counts, strict=True))

@@ -131,19 +131,21 @@ def release_blocks(tracker: ProducerTracker, _data: object = None) -> None:
 PS = ProducerState
 PE = ProducerEvent
 
-PRODUCER: Final[Table[ProducerState, ProducerEvent]] = Table(
-    [
-        Row(PS.RUNNING, PE.FINISH, PS.SENDING, after=(start_send,)),
-        Row(PS.RUNNING, PE.ABORT, PS.ABORTED),
-        Row(PS.SENDING, PE.SEND_DONE, PS.SENT, after=(release_blocks,)),
-        Row(PS.SENDING, PE.TIMEOUT, PS.EXPIRED, after=(release_blocks,)),
-        Row(PS.SENDING, PE.ABORT, PS.ABORTED, after=(release_blocks,)),
-    ],
-    initial=PS.RUNNING,
-    terminal=(PS.SENT, PS.EXPIRED, PS.ABORTED),
-    total_events=(PE.ABORT,),
-    name="pd-producer",
-    title="P/D producer (prefill side)",
+PRODUCER: Final[Table[ProducerState, ProducerEvent, None, ProducerTracker]] = (
+    Table(
+        [
+            Row(PS.RUNNING, PE.FINISH, PS.SENDING, after=(start_send,)),
+            Row(PS.RUNNING, PE.ABORT, PS.ABORTED),
+            Row(PS.SENDING, PE.SEND_DONE, PS.SENT, after=(release_blocks,)),
+            Row(PS.SENDING, PE.TIMEOUT, PS.EXPIRED, after=(release_blocks,)),
+            Row(PS.SENDING, PE.ABORT, PS.ABORTED, after=(release_blocks,)),
+        ],
+        initial=PS.RUNNING,
+        terminal=(PS.SENT, PS.EXPIRED, PS.ABORTED),
+        total_events=(PE.ABORT,),
+        name="pd-producer",
+        title="P/D producer (prefill side)",
+    )
 )
 """The producer's lifecycle: delay-free finish, send, release once."""
 
@@ -198,33 +200,44 @@ def mark_recompute(tracker: ConsumerTracker, _data: object = None) -> None:
 CS = ConsumerState
 CE = ConsumerEvent
 
-CONSUMER: Final[Table[ConsumerState, ConsumerEvent]] = Table(
-    [
-        Row(CS.WAITING, CE.LOOKUP, CS.WAITING),
-        Row(CS.WAITING, CE.ALLOC_REMOTE, CS.RECEIVING),
-        Row(CS.WAITING, CE.ALLOC_LOCAL, CS.RUNNING),
-        Row(CS.WAITING, CE.FINISH, CS.FINISHED),
-        Row(CS.WAITING, CE.ABORT, CS.ABORTED),
-        Row(CS.RECEIVING, CE.RECV_DONE, CS.RUNNING, after=(settle_receive,)),
-        Row(
-            CS.RECEIVING,
-            CE.RECV_FAILED,
-            CS.RUNNING,
-            after=(settle_receive, mark_recompute),
-        ),
-        Row(CS.RECEIVING, CE.FINISH, CS.DRAINING),
-        Row(CS.RECEIVING, CE.ABORT, CS.DRAINING),
-        Row(CS.RUNNING, CE.FINISH, CS.FINISHED),
-        Row(CS.RUNNING, CE.ABORT, CS.ABORTED),
-        Row(CS.DRAINING, CE.RECV_DONE, CS.ABORTED, after=(settle_receive,)),
-        Row(CS.DRAINING, CE.RECV_FAILED, CS.ABORTED, after=(settle_receive,)),
-        Row(CS.DRAINING, CE.FINISH, CS.DRAINING),
-        Row(CS.DRAINING, CE.ABORT, CS.DRAINING),
-    ],
-    initial=CS.WAITING,
-    terminal=(CS.FINISHED, CS.ABORTED),
-    total_events=(CE.FINISH, CE.ABORT),
-    name="pd-consumer",
-    title="P/D consumer (decode side)",
+CONSUMER: Final[Table[ConsumerState, ConsumerEvent, None, ConsumerTracker]] = (
+    Table(
+        [
+            Row(CS.WAITING, CE.LOOKUP, CS.WAITING),
+            Row(CS.WAITING, CE.ALLOC_REMOTE, CS.RECEIVING),
+            Row(CS.WAITING, CE.ALLOC_LOCAL, CS.RUNNING),
+            Row(CS.WAITING, CE.FINISH, CS.FINISHED),
+            Row(CS.WAITING, CE.ABORT, CS.ABORTED),
+            Row(
+                CS.RECEIVING, CE.RECV_DONE, CS.RUNNING, after=(settle_receive,)
+            ),
+            Row(
+                CS.RECEIVING,
+                CE.RECV_FAILED,
+                CS.RUNNING,
+                after=(settle_receive, mark_recompute),
+            ),
+            Row(CS.RECEIVING, CE.FINISH, CS.DRAINING),
+            Row(CS.RECEIVING, CE.ABORT, CS.DRAINING),
+            Row(CS.RUNNING, CE.FINISH, CS.FINISHED),
+            Row(CS.RUNNING, CE.ABORT, CS.ABORTED),
+            Row(
+                CS.DRAINING, CE.RECV_DONE, CS.ABORTED, after=(settle_receive,)
+            ),
+            Row(
+                CS.DRAINING,
+                CE.RECV_FAILED,
+                CS.ABORTED,
+                after=(settle_receive,),
+            ),
+            Row(CS.DRAINING, CE.FINISH, CS.DRAINING),
+            Row(CS.DRAINING, CE.ABORT, CS.DRAINING),
+        ],
+        initial=CS.WAITING,
+        terminal=(CS.FINISHED, CS.ABORTED),
+        total_events=(CE.FINISH, CE.ABORT),
+        name="pd-consumer",
+        title="P/D consumer (decode side)",
+    )
 )
 """The consumer's lifecycle: receive, run, or drain a finished receive."""

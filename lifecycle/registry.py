@@ -28,8 +28,16 @@ from __future__ import annotations
 import collections
 import enum
 import warnings
-from collections.abc import Hashable, Iterator
-from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, overload
+from collections.abc import Callable, Hashable, Iterator
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Final,
+    Generic,
+    Never,
+    Protocol,
+    overload,
+)
 
 import attrs
 
@@ -44,16 +52,20 @@ from lifecycle.tracker import (
 if TYPE_CHECKING:
     from typing_extensions import TypeVar
 
-    D = TypeVar("D", default=Any)
+    D = TypeVar("D", contravariant=True, default=Never)  # noqa: PLC0105
+    # The key type: ``str`` unless the factory takes another.
+    K = TypeVar("K", contravariant=True, default=str)  # noqa: PLC0105
 else:
     from typing import TypeVar
 
-    D = TypeVar("D")
+    D = TypeVar("D", contravariant=True)  # noqa: PLC0105
+    K = TypeVar("K", contravariant=True)  # noqa: PLC0105
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
 T = TypeVar("T", bound=Tracker[Any, Any])
 T_co = TypeVar("T_co", covariant=True)
+K_contra = TypeVar("K_contra", contravariant=True)
 
 
 class TrackerFactory(Protocol[T_co]):
@@ -63,11 +75,17 @@ class TrackerFactory(Protocol[T_co]):
         """A new tracker for `req_id`."""
 
 
+class _KeyedFactory(Protocol[K_contra, T_co]):
+    """A `TrackerFactory` that says its key type."""
+
+    def __call__(self, req_id: K_contra, /) -> T_co: ...
+
+
 RETIRED_KEYS: Final = 16_384
 """Ended keys whose last epoch a registry remembers individually."""
 
 
-class Registry(Padded, Generic[S, E, T, D]):
+class Registry(Padded, Generic[S, E, T, D, K]):
     """Live trackers by key, all driven by one shared machine.
 
     Args:
@@ -91,6 +109,7 @@ class Registry(Padded, Generic[S, E, T, D]):
             factories, at the first tracker that is.
     """
 
+    _defaults = (Any, Any)  # D and K have defaults (see `Padded`)
     __slots__ = (
         "_checked",
         "_continue",
@@ -108,16 +127,16 @@ class Registry(Padded, Generic[S, E, T, D]):
     def __init__(
         self,
         machine: LifecycleMachine[S, E, T, D],
-        factory: TrackerFactory[T],
+        factory: _KeyedFactory[K, T],
         *,
         continue_epochs: bool = True,
     ) -> None: ...
 
     @overload
     def __init__(
-        self: Registry[S, E, Tracker[S, Hashable], D],
-        machine: LifecycleMachine[S, E, Tracker[S, Hashable], D],
-        factory: type[Tracker[S, Hashable]],
+        self,
+        machine: LifecycleMachine[S, E, T, D],
+        factory: Callable[[K, S], T],
         *,
         continue_epochs: bool = True,
     ) -> None: ...
@@ -133,10 +152,10 @@ class Registry(Padded, Generic[S, E, T, D]):
         self._continue = continue_epochs
         """The shared machine (its table, counters and observers)."""
         table = machine.table
-        self._trackers: dict[Hashable, T] = {}
+        self._trackers: dict[K, T] = {}
         # Oldest first; an OrderedDict pops its oldest in O(1) (a dict
         # scans the holes its earlier pops left at the front).
-        self._retired: collections.OrderedDict[Hashable, int] = (
+        self._retired: collections.OrderedDict[K, int] = (
             collections.OrderedDict()
         )
         self._floor = 0
@@ -169,11 +188,11 @@ class Registry(Padded, Generic[S, E, T, D]):
     def __repr__(self) -> str:
         return f"Registry({self.machine.table.name!r}, {len(self)} live)"
 
-    def get(self, req_id: Hashable) -> T | None:
+    def get(self, req_id: K) -> T | None:
         """The live tracker for `req_id`, or None."""
         return self._trackers.get(req_id)
 
-    def get_or_create(self, req_id: Hashable) -> T:
+    def get_or_create(self, req_id: K) -> T:
         """The live tracker for `req_id`, created in the initial state.
 
         A new tracker for a key whose earlier tracker ended starts at an
@@ -186,7 +205,7 @@ class Registry(Padded, Generic[S, E, T, D]):
             tracker = self._create(req_id)
         return tracker
 
-    def _create(self, req_id: Hashable) -> T:
+    def _create(self, req_id: K) -> T:
         if self._lock is None:
             return self._add(req_id)
         with self._lock:
@@ -195,7 +214,7 @@ class Registry(Padded, Generic[S, E, T, D]):
                 return tracker  # another thread created it meanwhile
             return self._add(req_id)
 
-    def _add(self, req_id: Hashable) -> T:
+    def _add(self, req_id: K) -> T:
         """Create and register the tracker of a key not tracked now."""
         tracker = self._factory(req_id)
         if type(tracker) is not self._checked:
@@ -218,7 +237,7 @@ class Registry(Padded, Generic[S, E, T, D]):
 
     def fire(
         self,
-        req_id: Hashable,
+        req_id: K,
         event: E,
         *,
         epoch: int | None = None,
@@ -258,7 +277,7 @@ class Registry(Padded, Generic[S, E, T, D]):
 
     def fire_if_tracked(
         self,
-        req_id: Hashable,
+        req_id: K,
         event: E,
         *,
         epoch: int | None = None,
@@ -316,7 +335,7 @@ class Registry(Padded, Generic[S, E, T, D]):
             _, oldest = retired.popitem(last=False)
             self._floor = max(self._floor, oldest)
 
-    def discard(self, req_id: Hashable) -> T | None:
+    def discard(self, req_id: K) -> T | None:
         """Forget `req_id` without an event (e.g. at shutdown)."""
         tracker = self._trackers.get(req_id)
         if tracker is not None:

@@ -23,8 +23,8 @@ _STATE_STYLE = 'shape=circle, style=filled, fillcolor="#dbeafe"'
 _START: Final = '"__start"'
 _UNKNOWN: Final = '"__unknown"'
 
-AnyTable = Table[Any, Any]
-AnyRow = Row[Any, Any]
+AnyTable = Table[Any, Any, Any, Any]
+AnyRow = Row[Any, Any, Any, Any]
 
 
 def dot_id(text: str) -> str:

@@ -74,7 +74,9 @@ class TableReferenceError(ValueError):
         return f"{self.reference!r}: {self.reason}"
 
 
-def load_table(reference: str) -> tuple[Table[Any, Any], Path | None]:
+def load_table(
+    reference: str,
+) -> tuple[Table[Any, Any, Any, Any], Path | None]:
     """Import the `Table` named by ``MODULE:NAME`` (NAME may be dotted).
 
     Returns:
@@ -122,7 +124,9 @@ def _callback_name(callback: object) -> str:
     return str(name) if name else repr(callback)
 
 
-def transition_rows(table: Table[Any, Any]) -> list[tuple[str, str, str, str]]:
+def transition_rows(
+    table: Table[Any, Any, Any, Any],
+) -> list[tuple[str, str, str, str]]:
     """(from, event, to, callbacks) per row, in table-state then event order.
 
     The same order as `lifecycle.render.to_markdown`.
@@ -140,7 +144,7 @@ def transition_rows(table: Table[Any, Any]) -> list[tuple[str, str, str, str]]:
     ]
 
 
-def row_guards(table: Table[Any, Any]) -> list[str]:
+def row_guards(table: Table[Any, Any, Any, Any]) -> list[str]:
     """Each row's guard name ("" for none), in `transition_rows` order."""
     order = {state: i for i, state in enumerate(table.states)}
     rows = sorted(table.rows, key=lambda r: (order[r.source], _label(r.event)))
@@ -157,7 +161,7 @@ class _TableDirective(SphinxDirective):
     optional_arguments = 0
     final_argument_whitespace = False
 
-    def _table(self) -> Table[Any, Any]:
+    def _table(self) -> Table[Any, Any, Any, Any]:
         reference = self.arguments[0]
         try:
             table, source = load_table(reference)

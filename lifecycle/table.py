@@ -73,7 +73,11 @@ from lifecycle._generic import Padded
 from lifecycle.errors import InvalidTable, TableProblem
 
 if TYPE_CHECKING:
+    from collections.abc import Hashable
+
     from typing_extensions import TypeVar
+
+    from lifecycle.tracker import Tracker
 else:
     from typing import TypeVar
 
@@ -82,10 +86,31 @@ S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
 """The event enum of a table."""
 if TYPE_CHECKING:
-    D = TypeVar("D", default=Any)
+    # No default on a row's data type: a row without callbacks leaves it
+    # unsolved, so a list of rows takes the data type of those that have
+    # callbacks (a default, even Any, would decide the join instead).
+    D_row = TypeVar("D_row", contravariant=True)  # noqa: PLC0105
+    D = TypeVar("D", contravariant=True, default=None)  # noqa: PLC0105
+    # The same for the tracker the callbacks take: a row without callbacks
+    # leaves it open; a table's defaults to any tracker of its states.
+    T_row = TypeVar(  # noqa: PLC0105
+        "T_row", bound=Tracker[Any, Any], contravariant=True
+    )
+    T = TypeVar(  # noqa: PLC0105 - T reads best in every signature
+        "T",
+        bound=Tracker[Any, Any],
+        contravariant=True,
+        default=Tracker[S, Hashable],
+    )
 else:
-    D = TypeVar("D")
-"""The event data a table's callbacks receive (``fire(..., data=)``)."""
+    D_row = TypeVar("D_row", contravariant=True)  # noqa: PLC0105
+    D = TypeVar("D", contravariant=True)  # noqa: PLC0105
+    T_row = TypeVar("T_row", contravariant=True)  # noqa: PLC0105
+    T = TypeVar("T", contravariant=True)  # noqa: PLC0105
+"""The event data a table's callbacks receive (``fire(..., data=)``).
+
+Contravariant (callbacks consume it); ``Table[S, E]`` means ``None``: no
+data but None reaches the callbacks."""
 
 Callback = Callable[[Any, Any], object]
 """A row or enter callback: takes the tracker and the event's data."""
@@ -109,7 +134,7 @@ def callback_name(callback: object) -> str:
 
 
 @attrs.frozen
-class Row(Padded, Generic[S, E, D]):
+class Row(Padded, Generic[S, E, D_row, T_row]):
     """One legal transition: `event` in `source` moves to `dest`.
 
     Attributes:
@@ -136,14 +161,16 @@ class Row(Padded, Generic[S, E, D]):
     (*guarded alternatives*).
     """
 
+    _defaults = (Any, Any)  # D and T have defaults (see `Padded`)
+
     source: S
     event: E
     dest: S
-    after: tuple[Callable[[Any, D], object], ...] = attrs.field(
+    after: tuple[Callable[[T_row, D_row], object], ...] = attrs.field(
         default=(), eq=False
     )
-    guard: Callable[[Any, D], bool] | None = attrs.field(default=None)
-    always: tuple[Callable[[Any, D], object], ...] = attrs.field(
+    guard: Callable[[T_row, D_row], bool] | None = attrs.field(default=None)
+    always: tuple[Callable[[T_row, D_row], object], ...] = attrs.field(
         default=(), eq=False
     )
 
@@ -154,7 +181,7 @@ class Row(Padded, Generic[S, E, D]):
         )
 
 
-class Table(Padded, Generic[S, E, D]):
+class Table(Padded, Generic[S, E, D, T]):
     """A validated, frozen transition table over state enum ``S``.
 
     Args:
@@ -181,6 +208,7 @@ class Table(Padded, Generic[S, E, D]):
         InvalidTable: listing every defect found.
     """
 
+    _defaults = (Any, Any)  # D and T have defaults (see `Padded`)
     __slots__ = (
         "_by_key",
         "events",
@@ -197,19 +225,18 @@ class Table(Padded, Generic[S, E, D]):
 
     def __init__(
         self,
-        rows: Iterable[Row[S, E, D]],
+        rows: Iterable[Row[S, E, D, T]],
         *,
         initial: S,
         terminal: Iterable[S],
         total_events: Iterable[E] = (),
         states: Iterable[S] | None = None,
         events: Iterable[E] | None = None,
-        on_enter: Mapping[S, Sequence[Callable[[Any, D], object]]]
-        | None = None,
+        on_enter: Mapping[S, Sequence[Callable[[T, D], object]]] | None = None,
         name: str = "lifecycle",
         title: str | None = None,
     ) -> None:
-        self.rows: tuple[Row[S, E, D], ...] = tuple(rows)
+        self.rows: tuple[Row[S, E, D, T], ...] = tuple(rows)
         self.initial: S = initial
         self.states: tuple[S, ...] = (
             tuple(type(initial)) if states is None else tuple(states)
@@ -220,7 +247,7 @@ class Table(Padded, Generic[S, E, D]):
         self.events: tuple[E, ...] = tuple(events)
         self.terminal: frozenset[S] = frozenset(terminal)
         self.total_events: tuple[E, ...] = tuple(total_events)
-        self.on_enter: dict[S, tuple[Callable[[Any, D], object], ...]] = {
+        self.on_enter: dict[S, tuple[Callable[[T, D], object], ...]] = {
             s: tuple(cbs) for s, cbs in (on_enter or {}).items()
         }
         self.name = name
@@ -228,7 +255,7 @@ class Table(Padded, Generic[S, E, D]):
         problems = self._problems()
         if problems:
             raise InvalidTable(problems)
-        self._by_key: dict[tuple[S, E], tuple[Row[S, E, D], ...]] = {}
+        self._by_key: dict[tuple[S, E], tuple[Row[S, E, D, T], ...]] = {}
         for r in self.rows:
             key = (r.source, r.event)
             self._by_key[key] = (*self._by_key.get(key, ()), r)
@@ -245,7 +272,7 @@ class Table(Padded, Generic[S, E, D]):
         """The state enum."""
         return type(self.initial)
 
-    def get(self, state: S, event: E) -> Row[S, E, D] | None:
+    def get(self, state: S, event: E) -> Row[S, E, D, T] | None:
         """The (first) row for `event` in `state`, None if it is illegal.
 
         Guarded alternatives share a (state, event): see `rows_for`.
@@ -253,7 +280,7 @@ class Table(Padded, Generic[S, E, D]):
         rows = self._by_key.get((state, event))
         return None if rows is None else rows[0]
 
-    def rows_for(self, state: S, event: E) -> tuple[Row[S, E, D], ...]:
+    def rows_for(self, state: S, event: E) -> tuple[Row[S, E, D, T], ...]:
         """Every row for `event` in `state`, in the order they are tried."""
         return self._by_key.get((state, event), ())
 
@@ -268,7 +295,7 @@ class Table(Padded, Generic[S, E, D]):
         row = self.get(state, event)
         return None if row is None else row.dest
 
-    def callbacks(self, row: Row[S, E, D]) -> tuple[Callback, ...]:
+    def callbacks(self, row: Row[S, E, D, T]) -> tuple[Callback, ...]:
         """What applying `row` runs: enter hooks, `after`, then `always`."""
         return (*self.on_enter.get(row.dest, ()), *row.after, *row.always)
 
@@ -283,7 +310,7 @@ class Table(Padded, Generic[S, E, D]):
                 seen.extend(cb for cb in row.always if cb not in seen)
         return tuple(seen)
 
-    def without_callbacks(self) -> Table[S, E, D]:
+    def without_callbacks(self) -> Table[S, E, D, T]:
         """This table's structure with no callbacks or enter hooks.
 
         Same states, rows, fingerprint and name; for trace replay and
@@ -402,7 +429,7 @@ class Table(Padded, Generic[S, E, D]):
 
     def _row_problems(self, declared: set[S]) -> list[TableProblem]:
         problems = []
-        seen: dict[tuple[S, E], Row[S, E, D]] = {}
+        seen: dict[tuple[S, E], Row[S, E, D, T]] = {}
         events = set(self.events)
         for row in self.rows:
             unknown = [s for s in (row.source, row.dest) if s not in declared]

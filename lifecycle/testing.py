@@ -59,10 +59,11 @@ S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
 T = TypeVar("T", bound=Tracker[Any, Any])
 
-Factory = Callable[[str], Tracker[Any, Any]]
-"""Builds a tracker in the table's initial state from a request id."""
+Factory = Callable[..., Tracker[Any, Any]]
+"""Builds a tracker in the table's initial state from its key (of any
+type): a tracker class, the base `Tracker` class or a function."""
 
-SetUp = Callable[[Any, Row[Any, Any, Any]], object]
+SetUp = Callable[[Any, Row[Any, Any, Any, Any]], object]
 """Prepares a tracker for a guarded row: ``(tracker, row) -> data``.
 
 Called with the tracker in the row's source state; returns the data to
@@ -147,7 +148,7 @@ class Case(Generic[S, E]):
         return f"{self.state.name}-{event_name(self.event)}"
 
 
-def matrix(table: Table[S, E]) -> list[Case[S, E]]:
+def matrix(table: Table[S, E, Any, Any]) -> list[Case[S, E]]:
     """Every (state, event) pair, in table-state then event order."""
     return [
         Case(state, event, table.dest(state, event))
@@ -157,14 +158,14 @@ def matrix(table: Table[S, E]) -> list[Case[S, E]]:
 
 
 def shortest_row_paths(
-    table: Table[S, E, Any],
-) -> dict[S, tuple[Row[S, E, Any], ...]]:
+    table: Table[S, E, Any, Any],
+) -> dict[S, tuple[Row[S, E, Any, Any], ...]]:
     """The shortest row path from the initial state to every state.
 
     Ties are broken by table row order, so the result is deterministic.
     Guards are not consulted here (`tracker_in` runs their set-ups).
     """
-    paths: dict[S, tuple[Row[S, E, Any], ...]] = {table.initial: ()}
+    paths: dict[S, tuple[Row[S, E, Any, Any], ...]] = {table.initial: ()}
     todo = deque([table.initial])
     while todo:
         state = todo.popleft()
@@ -175,7 +176,7 @@ def shortest_row_paths(
     return paths
 
 
-def shortest_paths(table: Table[S, E, Any]) -> dict[S, tuple[E, ...]]:
+def shortest_paths(table: Table[S, E, Any, Any]) -> dict[S, tuple[E, ...]]:
     """The shortest event path from the initial state to every state."""
     return {
         state: tuple(r.event for r in rows)
@@ -183,14 +184,16 @@ def shortest_paths(table: Table[S, E, Any]) -> dict[S, tuple[E, ...]]:
     }
 
 
-def _setup_for(setups: SetUps | None, row: Row[Any, Any, Any]) -> SetUp | None:
+def _setup_for(
+    setups: SetUps | None, row: Row[Any, Any, Any, Any]
+) -> SetUp | None:
     if not setups:
         return None
     found = setups.get(row)
     return setups.get(row.source) if found is None else found
 
 
-def _unreached(row: Row[Any, Any, Any], tracker: Any, why: str) -> str:
+def _unreached(row: Row[Any, Any, Any, Any], tracker: Any, why: str) -> str:
     return (
         f"guarded row `{row}` was not reached ({why}; tracker: "
         f"{attrs.asdict(tracker, recurse=False)}): supply a set-up that "
@@ -202,7 +205,7 @@ def _unreached(row: Row[Any, Any, Any], tracker: Any, why: str) -> str:
 def _fire_row(
     machine: LifecycleMachine[Any, Any, Any, Any],
     tracker: Any,
-    row: Row[Any, Any, Any],
+    row: Row[Any, Any, Any, Any],
     setups: SetUps | None,
 ) -> None:
     """Fire `row`'s event so that `row` applies, or fail naming it."""
@@ -225,7 +228,7 @@ def _fire_row(
 def tracker_in(
     state: S,
     machine: LifecycleMachine[S, E, Any, Any],
-    factory: Callable[[str], T],
+    factory: Callable[..., T],
     *,
     req_id: Any = "req-under-test",
     setups: SetUps | None = None,
@@ -244,8 +247,8 @@ def tracker_in(
 
 
 def check_row(
-    row: Row[S, E, Any],
-    table: Table[S, E, Any],
+    row: Row[S, E, Any, Any],
+    table: Table[S, E, Any, Any],
     factory: Factory,
     setups: SetUps | None = None,
     *,
@@ -281,7 +284,7 @@ class _Records(logging.Handler):
 
 def check_case(
     case: Case[S, E],
-    table: Table[S, E, Any],
+    table: Table[S, E, Any, Any],
     factory: Factory,
     setups: SetUps | None = None,
     *,
@@ -346,7 +349,7 @@ def check_case(
 
 def _check_strict(
     case: Case[S, E],
-    table: Table[S, E, Any],
+    table: Table[S, E, Any, Any],
     factory: Factory,
     setups: SetUps | None,
     key: Any,
@@ -378,7 +381,8 @@ def _expect(ok: bool, case: Case[Any, Any], what: str) -> None:  # noqa: FBT001
 
 
 def machine_mismatches(
-    machine: LifecycleMachine[S, E, Any], table: Table[S, E] | None = None
+    machine: LifecycleMachine[S, E, Any, Any],
+    table: Table[S, E, Any, Any] | None = None,
 ) -> list[str]:
     """Differences between the machine's `transitions` machine and a table.
 
@@ -404,27 +408,29 @@ def machine_mismatches(
     return problems
 
 
-def pytest_cases(table: Table[Any, Any]) -> list[Any]:
+def pytest_cases(table: Table[Any, Any, Any, Any]) -> list[Any]:
     """`matrix` as ``pytest.param`` objects with readable ids."""
     import pytest
 
     return [pytest.param(c, id=c.id) for c in matrix(table)]
 
 
-def event_sequences(table: Table[Any, Any], max_size: int = 40) -> Any:
+def event_sequences(
+    table: Table[Any, Any, Any, Any], max_size: int = 40
+) -> Any:
     """A hypothesis strategy of event lists (any order, any length)."""
     from hypothesis import strategies as st
 
     return st.lists(st.sampled_from(list(table.events)), max_size=max_size)
 
 
-def _route(_tracker: object, row: Row[Any, Any, Any]) -> object:
+def _route(_tracker: object, row: Row[Any, Any, Any, Any]) -> object:
     """The set-up of a structural table's guarded row: its destination."""
     return row.dest
 
 
 def table_tests(  # noqa: C901 - one class of small tests
-    table: Table[Any, Any, Any],
+    table: Table[Any, Any, Any, Any],
     factory: Factory,
     *,
     examples: int = 200,
@@ -470,7 +476,7 @@ def table_tests(  # noqa: C901 - one class of small tests
             "row", [pytest.param(r, id=str(r)) for r in guarded] or [None]
         )
         def test_every_guarded_row_is_reached(
-            self, row: Row[Any, Any, Any] | None
+            self, row: Row[Any, Any, Any, Any] | None
         ) -> None:
             if row is None:
                 assert not guarded

@@ -23,7 +23,7 @@ refuses a tracker class that lacks any of these (`check_tracker_class`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -184,21 +184,50 @@ def slow_reasons(cls: type) -> list[str]:
         return [f"{cls!r} is not a subclass of lifecycle.Tracker"]
     if not attrs.has(cls):
         reasons.append("it is not an attrs class")
-    without_slots = [
-        k.__name__
-        for k in cls.__mro__
-        if k is not object and "__slots__" not in k.__dict__
-    ]
-    if without_slots:
+    with_dict = _dict_classes(cls)
+    if with_dict:
         reasons.append(
-            f"{', '.join(without_slots)} has no __slots__ (a __dict__ "
-            "per tracker)"
+            f"{', '.join(with_dict)} has no __slots__ (a __dict__ per tracker)"
         )
     if cls.__setattr__ is not object.__setattr__:
         reasons.append("it hooks attribute assignment (on_setattr)")
     if cls.__eq__ is not object.__eq__:
         reasons.append("it compares by value (eq=True)")
     return reasons
+
+
+def _dict_classes(cls: type) -> list[str]:
+    """The classes that give instances of `cls` a ``__dict__`` (or none).
+
+    An instance has a ``__dict__`` exactly when its class's
+    ``__dictoffset__`` is not 0.  The culprits named are the classes of
+    the MRO that have a ``__dict__`` slot and either declare no
+    ``__slots__`` or list ``"__dict__"`` in them.  A class without a
+    ``__slots__`` entry but without a ``__dict__`` either is fine: since
+    Python 3.12, ``typing.Generic`` is such a class (implemented in C,
+    it declares no ``__slots__`` and adds no ``__dict__``).
+    """
+    if not cls.__dictoffset__:
+        return []
+    culprits = [
+        k.__name__
+        for k in cls.__mro__
+        if k.__dictoffset__
+        and (
+            "__slots__" not in k.__dict__
+            or "__dict__" in _slot_names(k.__dict__["__slots__"])
+        )
+    ]
+    return culprits or [cls.__name__]
+
+
+def _slot_names(slots: object) -> tuple[str, ...]:
+    """The names a ``__slots__`` value declares (a string is one name)."""
+    if isinstance(slots, str):
+        return (slots,)
+    if isinstance(slots, Iterable):
+        return tuple(str(name) for name in slots)
+    return ()
 
 
 _CHECKED: set[type] = set()

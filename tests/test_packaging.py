@@ -9,6 +9,8 @@ renders the diagrams into the working directory.
 
 import email
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "lifecycle", "connector")
@@ -68,7 +71,6 @@ def test_wheel_metadata(wheel):
     meta = email.message_from_string(_read(wheel, ".dist-info/METADATA"))
     assert meta["License-Expression"] == "Apache-2.0"
     assert meta.get_all("License-File") == ["LICENSE"]
-    assert meta["Requires-Python"] == ">=3.11"
     assert "Typing :: Typed" in meta.get_all("Classifier")
     requires = meta.get_all("Requires-Dist")
     core = sorted(r for r in requires if "extra ==" not in r)
@@ -91,6 +93,40 @@ def test_wheel_metadata(wheel):
     assert not any(
         n.startswith(("tests/", "e2e/", "demo/", "harness/")) for n in names
     )
+
+
+def _make_list(name):
+    """The words of the Makefile's ``NAME := ...`` line."""
+    text = (ROOT / "Makefile").read_text()
+    m = re.search(rf"^{name} := (.*)$", text, re.MULTILINE)
+    assert m, f"no {name} in the Makefile"
+    return m[1].split()
+
+
+def test_the_wheel_lists_exactly_the_tested_pythons(wheel):
+    """Classifiers and Requires-Python: .venv's Python and the matrix's."""
+    main = _make_list("MAIN_PYTHON")
+    tested = sorted(
+        {*main, *_make_list("PYMATRIX")},
+        key=lambda v: tuple(map(int, v.split("."))),
+    )
+    meta = email.message_from_string(_read(wheel, ".dist-info/METADATA"))
+    listed = [
+        c.rpartition(" :: ")[2]
+        for c in meta.get_all("Classifier")
+        if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)
+    ]
+    assert listed == tested
+    minors = [int(v.split(".")[1]) for v in tested]
+    assert minors == list(range(minors[0], minors[-1] + 1)), "a gap"
+    spec = SpecifierSet(meta["Requires-Python"])
+    assert spec == SpecifierSet(f">=3.{minors[0]},<3.{minors[-1] + 1}")
+    for minor in range(minors[0] - 2, minors[-1] + 3):
+        assert (f"3.{minor}" in tested) == spec.contains(f"3.{minor}.0")
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert here in tested
+    if not os.environ.get("KV_PYMATRIX"):
+        assert [here] == main, "the whole suite runs on MAIN_PYTHON"
 
 
 @pytest.fixture(scope="module")

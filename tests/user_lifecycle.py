@@ -79,7 +79,7 @@ def started(tracker: JobTracker, _data: object = None) -> None:
 
 S, E = JobState, JobEvent
 
-TABLE: Table[JobState, JobEvent, int | None] = Table(
+TABLE: Table[JobState, JobEvent, int | None, JobTracker] = Table(
     [
         Row(S.WAITING, E.ALLOC, S.RECEIVING),
         Row(S.WAITING, E.ABORT, S.ABORTED),

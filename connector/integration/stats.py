@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from connector.store import OpCounters, StoreCounters
     from lifecycle import LifecycleMachine
 
-    AnyMachine = LifecycleMachine[Any, Any, Any]
+    AnyMachine = LifecycleMachine[Any, Any, Any, Any]
 
 KV_TABLE: Final = _KV.name
 """The table whose counts are keyed without a table name."""

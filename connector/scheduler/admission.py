@@ -187,7 +187,7 @@ def let_go(tracker: LookupTracker, _data: object = None) -> None:
 LS = LookupState
 LE = LookupEvent
 
-LOOKUPS: Final[Table[LookupState, LookupEvent, Any]] = Table(
+LOOKUPS: Final[Table[LookupState, LookupEvent, Any, LookupTracker]] = Table(
     [
         # A lookup sent for a new key (first ask, more blocks, a new
         # request epoch), or sent again (deferred by a load in flight).

@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import attrs
 
-from lifecycle import Table, define_tracker
+from lifecycle import LifecycleMachine, Table, define_tracker
 from lifecycle.kv import TABLE, Event, KVTracker, State
 
 __all__ = ["REQUESTS", "Allocated", "Asked", "RequestTracker"]
@@ -165,9 +165,9 @@ CALLBACKS: Final[Mapping[tuple[State, Event], tuple[Callback, ...]]] = {
 
 
 def with_callbacks(
-    table: Table[State, Event, Any],
+    table: Table[State, Event, Any, KVTracker],
     callbacks: Mapping[tuple[State, Event], tuple[Callback, ...]],
-) -> Table[State, Event, Any]:
+) -> Table[State, Event, Any, RequestTracker]:
     """`table` with `callbacks` run after each row's own.
 
     Raises:
@@ -198,3 +198,7 @@ def with_callbacks(
 
 REQUESTS: Final = with_callbacks(TABLE, CALLBACKS)
 """`lifecycle.kv.TABLE` with the scheduler half's field updates."""
+
+RequestMachine = LifecycleMachine[State, Event, RequestTracker, Any]
+"""A machine the scheduler half can drive: its trackers are
+`RequestTracker`s (``LifecycleMachine(REQUESTS)``)."""

@@ -77,12 +77,13 @@ from connector.scheduler.requests import (
     REQUESTS,
     Allocated,
     Asked,
+    RequestMachine,
     RequestTracker,
     set_tables,
 )
 from connector.scheduler.states import StateOffers
 from lifecycle import LifecycleMachine, Registry
-from lifecycle.kv import Event, KVMachine, State
+from lifecycle.kv import Event, State
 
 log: Final = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class SchedulerSide:
         role: Role,
         lookup: HitLookup,
         world_size: int = 1,
-        machine: KVMachine | None = None,
+        machine: RequestMachine | None = None,
         lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
         max_pending: int = MAX_PENDING_LOOKUPS,
         threaded_lookups: bool = True,
@@ -194,7 +195,7 @@ class SchedulerSide:
         self.world_size = world_size
         self.groups = groups or KVGroups.single(block_size)
         # The lookup thread only fills in its messages' answers.
-        self.machine: KVMachine = machine or LifecycleMachine(
+        self.machine: RequestMachine = machine or LifecycleMachine(
             REQUESTS, thread_safe=False
         )
         lookup_row = self.machine.table.get(State.NEW, Event.LOOKUP)

@@ -252,8 +252,8 @@ class Replay:
 def parse(
     text: str,
     line: int,
-    table: Table[Any, Any],
-    tables: dict[str, Table[Any, Any]] | None = None,
+    table: Table[Any, Any, Any, Any],
+    tables: dict[str, Table[Any, Any, Any, Any]] | None = None,
 ) -> Record | dict[str, Any]:
     """One trace line: a `Record`, or the dict of a ``meta`` line.
 
@@ -297,7 +297,7 @@ def parse(
 class _TableReplayer:
     """Feeds one table's records through a fresh registry."""
 
-    def __init__(self, table: Table[Any, Any], prefix: str) -> None:
+    def __init__(self, table: Table[Any, Any, Any, Any], prefix: str) -> None:
         # Callbacks stay out and guards become routes: a trace records
         # each event's outcome and epoch, not the data callbacks need.
         machine: AnyMachine = LifecycleMachine(
@@ -307,7 +307,7 @@ class _TableReplayer:
         self.machine = machine
         self.result = Replay(machine)  # the shared one, set by _Replayer
         self.prefix = prefix
-        self.registry: Registry[Any, Any, Tracker[Any, Any]] = Registry(
+        self.registry: Registry[Any, Any, Tracker[Any, Any], Any] = Registry(
             machine, Tracker
         )
         self.open: dict[str, RequestReplay] = {}
@@ -399,7 +399,9 @@ class _TableReplayer:
 class _Replayer:
     """Routes records to their table's replayer; one session at a time."""
 
-    def __init__(self, tables: list[Table[Any, Any]], path: str) -> None:
+    def __init__(
+        self, tables: list[Table[Any, Any, Any, Any]], path: str
+    ) -> None:
         self.path = path
         self.tables = {t.name: t for t in tables}
         first = tables[0]
@@ -441,8 +443,8 @@ class _Replayer:
 def replay(
     lines: Iterable[str],
     *,
-    table: Table[Any, Any] | None = None,
-    tables: Iterable[Table[Any, Any]] = (),
+    table: Table[Any, Any, Any, Any] | None = None,
+    tables: Iterable[Table[Any, Any, Any, Any]] = (),
     path: str = "<lines>",
 ) -> Replay:
     """Replay trace lines through fresh, non-strict machines.

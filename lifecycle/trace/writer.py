@@ -60,7 +60,7 @@ UNKNOWN: Final = "unknown"
 _Q: Final = '"'
 
 
-AnyMachine = LifecycleMachine[Any, Any, Any]
+AnyMachine = LifecycleMachine[Any, Any, Any, Any]
 
 
 def _state_name(state: enum.Enum | None) -> str:
@@ -194,7 +194,7 @@ class TraceWriter:
         self._io_lock = threading.Lock()  # batches reach the file in order
         # (machine, transition observer, reject observer) per attach.
         self._machines: list[tuple[AnyMachine, Any, Any]] = []
-        self._tables: dict[str, Table[Any, Any]] = {}
+        self._tables: dict[str, Table[Any, Any, Any, Any]] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._flusher = threading.Thread(
@@ -294,7 +294,7 @@ class TraceWriter:
 
         return on_transition, on_rejected
 
-    def _start(self, table: Table[Any, Any] | None) -> None:
+    def _start(self, table: Table[Any, Any, Any, Any] | None) -> None:
         record: dict[str, object] = {
             "meta": "start",
             "time": self._clock(),

@@ -458,3 +458,84 @@ def test_dummy_client_works_with_registered_pool_buffers() -> None:
             store.close()
         finally:
             node.stop()
+
+
+def test_cli_pool_prints_the_engines_config_stops_and_detaches(
+    tmp_path,
+) -> None:
+    """``kv-lifecycle pool``: one JSON line with a 0 segment in
+    standalone-store mode; SIGTERM stops its mooncake_client; with
+    ``--detach --log-file`` the command exits and the pool keeps
+    serving (stopped here by its pid)."""
+    with EmbeddedMaster() as master:
+        base = [
+            sys.executable,
+            "-m",
+            "connector.ops.cli",
+            "pool",
+            f"--master-server-address={master.rpc_address}",
+            f"--metadata-server={master.metadata_server}",
+            "--global-segment-size=32MB",
+        ]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        proc = subprocess.Popen(
+            base,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            extra = json.loads(proc.stdout.readline())[
+                "kv_connector_extra_config"
+            ]
+            assert extra["global_segment_size"] == 0
+            assert extra["mode"] == "standalone-store"
+            assert (
+                StoreConfig.from_extra_config(extra).global_segment_size == 0
+            )
+            children = [
+                int(pid)
+                for task in Path(f"/proc/{proc.pid}/task").glob("*/children")
+                for pid in task.read_text().split()
+            ]
+            assert len(children) == 1
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            time.sleep(0.2)
+            assert not process_alive(children[0])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        bad = subprocess.run(
+            [*base, "--detach"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert bad.returncode == 2
+        assert "log_file" in bad.stderr
+        log_file = tmp_path / "pool.log"
+        done = subprocess.run(
+            [*base, "--detach", f"--log-file={log_file}"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        detached = int(done.stderr.split("detached pid ")[1].split()[0])
+        try:
+            time.sleep(1.0)  # a parent-death SIGKILL would have landed
+            assert process_alive(detached)
+            assert log_file.read_text()
+        finally:
+            os.kill(detached, signal.SIGKILL)

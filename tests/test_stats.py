@@ -317,3 +317,47 @@ def test_replica_retries_are_counted_as_their_own_operation(lifecycle):
     assert value(MetricName.STORE_KEYS, labels) == 3
     failed = {**labels, "outcome": "TRANSFER_FAILED"}
     assert value(MetricName.STORE_FAILURES, failed) == 1
+
+
+def test_store_faults_reach_the_payload_the_log_line_and_prometheus():
+    """A store that answers but cannot transfer is not a silent 0: its
+    fault counts travel as deltas, add up over ranks, show in the
+    interval's log line and in ``vllm:kv_lifecycle_store_faults_total``."""
+    store = StoreCounters()
+    store.fault("metadata_missing", 2)  # before the source: not reported
+    source = StatsSource(store=store, half="worker")
+    assert source.take() is None
+    store.fault("transfer", 4)
+    store.fault("metadata_missing", 2)
+    store.fault("metadata_restored", 2)
+    first = source.take()
+    assert first is not None
+    assert first.data["store_faults"] == {
+        "transfer": 4,
+        "metadata_missing": 2,
+        "metadata_restored": 2,
+    }
+    assert source.take() is None
+    other = LifecycleConnectorStats(data={"store_faults": {"transfer": 1}})
+    first.aggregate(other)
+    assert first.data["store_faults"]["transfer"] == 5
+    line = first.reduce()
+    assert line["Store faults transfer"] == 5
+    assert line["Store faults metadata restored"] == 2
+    rebuilt = LifecycleConnectorStats(data=json.loads(json.dumps(first.data)))
+    assert rebuilt.data["store_faults"] == first.data["store_faults"]
+
+    registry = CollectorRegistry()
+    prom = MooncakeLifecycleConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        metric_types(registry),
+        ["model_name", "engine"],
+        {0: ["m", "0"]},
+    )
+    prom.observe(first.data, engine_idx=0)
+    prom.observe(first.data, engine_idx=0)
+    engine = {"model_name": "m", "engine": "0"}
+    value = registry.get_sample_value
+    assert value(MetricName.STORE_FAULTS, {**engine, "kind": "transfer"}) == 10
+    restored = {**engine, "kind": "metadata_restored"}
+    assert value(MetricName.STORE_FAULTS, restored) == 4

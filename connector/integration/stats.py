@@ -20,9 +20,17 @@ and lists, so it survives pickling and msgpack::
                        "short_circuited": 0, "failures": {"MISS": 1},
                        "latencies_s": [0.0012, ...]}, ...},
      "breaker_trips": 0,
+     "store_faults": {"transfer": 3, "metadata_missing": 2,
+                      "metadata_restored": 2},
      "groups": {"g0": {"hit_blocks": 4, "load_blocks": 4,    # per KV cache
                        "load_bytes": 262144, "save_blocks": 8,  # group
                        "save_bytes": 524288}, "g1": {...}}}
+
+``store_faults`` counts what a store that answers but cannot transfer
+looks like (`connector.store.faults`): keys that failed although the
+master answered, and this client's transfer-metadata entries found
+missing from the metadata server and restored
+(`connector.store.metadata`).
 
 ``groups`` counts, per KV cache group (`connector.groups`), the blocks the
 scheduler half issued loads for (store hits) and the blocks and bytes the
@@ -105,12 +113,14 @@ class MetricName:
     STORE_FAILURES = "vllm:kv_lifecycle_store_failed_keys_total"
     STORE_LATENCY = "vllm:kv_lifecycle_store_operation_seconds"
     BREAKER_TRIPS = "vllm:kv_lifecycle_store_breaker_trips_total"
+    STORE_FAULTS = "vllm:kv_lifecycle_store_faults_total"
 
 
 def _empty() -> dict[str, Any]:
     data: dict[str, Any] = {key: {} for key in COUNTS}
     data["store"] = {}
     data["breaker_trips"] = 0
+    data["store_faults"] = {}
     data["groups"] = {}
     return data
 
@@ -120,6 +130,7 @@ def _is_empty(data: dict[str, Any]) -> bool:
         any(data[key] for key in COUNTS)
         or data["store"]
         or data["breaker_trips"]
+        or data["store_faults"]
         or data["groups"]
     )
 
@@ -142,6 +153,7 @@ class LifecycleConnectorStats(KVConnectorStats):
         # and `aggregate` adds into this object's counters in place.
         given, self.data = self.data, _empty()
         self.data["breaker_trips"] = given.get("breaker_trips", 0)
+        self.data["store_faults"] = dict(given.get("store_faults", {}))
         for key in COUNTS:
             self.data[key] = dict(given.get(key, {}))
         self.data["store"] = {
@@ -186,6 +198,7 @@ class LifecycleConnectorStats(KVConnectorStats):
             samples = [*mine["latencies_s"], *figures.get("latencies_s", ())]
             mine["latencies_s"] = samples[-MAX_LATENCY_SAMPLES:]
         self.data["breaker_trips"] += theirs.get("breaker_trips", 0)
+        _add(self.data["store_faults"], theirs.get("store_faults", {}))
         for group, counts in theirs.get("groups", {}).items():
             _add(self.data["groups"].setdefault(group, {}), counts)
         return self
@@ -215,6 +228,8 @@ class LifecycleConnectorStats(KVConnectorStats):
                 out[f"Store {op} short-circuited"] = f["short_circuited"]
         if self.data["breaker_trips"]:
             out["Store breaker trips"] = self.data["breaker_trips"]
+        for kind, n in sorted(self.data["store_faults"].items()):
+            out[f"Store faults {kind.replace('_', ' ')}"] = n
         for group, counts in sorted(self.data["groups"].items()):
             for key, n in sorted(counts.items()):
                 name = key.replace("_", " ")
@@ -321,6 +336,8 @@ class StatsSource:
         self.groups = groups
         self._store = store
         self._trips = store.breaker_trips if store is not None else 0
+        self._faults = store.faults_copy() if store is not None else {}
+        self._fault_total = sum(self._faults.values())
         self._watched: list[_Watched] = []
         for watched in (machine, *also):
             if watched is not None:
@@ -365,6 +382,11 @@ class StatsSource:
             if trips != self._trips:
                 data["breaker_trips"] = trips - self._trips
                 self._trips = trips
+            if self._store.fault_total != self._fault_total:
+                faults = self._store.faults_copy()
+                data["store_faults"] = _delta(faults, self._faults)
+                self._faults = faults
+                self._fault_total = sum(faults.values())
         if self.groups is not None:
             data["groups"] = {g: c for g, c in self.groups().items() if c}
         return None if _is_empty(data) else LifecycleConnectorStats(data=data)
@@ -471,6 +493,15 @@ class LifecyclePromMetrics(KVConnectorPromMetrics):
             documentation="Times the store's circuit breaker opened.",
             labelnames=list(labelnames),
         )
+        self._faults = counter(
+            name=MetricName.STORE_FAULTS,
+            documentation="A store that answers but cannot transfer, by "
+            "kind: transfer (keys failed although the master answered), "
+            "metadata_missing / metadata_restored (this client's transfer "
+            "metadata lost by the metadata server, e.g. after a master "
+            "restart, and written back).",
+            labelnames=[*labelnames, "kind"],
+        )
 
     def observe(
         self, transfer_stats_data: dict[str, Any], engine_idx: int = 0
@@ -492,5 +523,13 @@ class LifecyclePromMetrics(KVConnectorPromMetrics):
             latency = self._latency.labels(*engine, op)
             for seconds in figures.get("latencies_s", ()):
                 latency.observe(seconds)
+        self._observe_store_health(data, engine)
+
+    def _observe_store_health(
+        self, data: dict[str, Any], engine: list[object]
+    ) -> None:
+        """Breaker trips and store faults of one payload."""
         if data.get("breaker_trips"):
             self._trips.labels(*engine).inc(data["breaker_trips"])
+        for kind, n in data.get("store_faults", {}).items():
+            self._faults.labels(*engine, kind).inc(n)

@@ -74,6 +74,13 @@ from connector.store.engine import (
     other_replica,
     read_from,
 )
+from connector.store.faults import RateLimitedWarning, transfer_faults
+from connector.store.metadata import (
+    DEFAULT_METADATA_CHECK_S,
+    MetadataCheck,
+    MetadataKeeper,
+    MetadataWatch,
+)
 from connector.store.mooncake import (
     MooncakeStore,
     _local_address,
@@ -119,14 +126,20 @@ class StoreClient:
         replicate_config: Any = None,
         check_regions: bool = False,
         reader: ReplicaReader | None = None,
+        keeper: MetadataKeeper | None = None,
+        metadata_check_s: float = DEFAULT_METADATA_CHECK_S,
     ) -> None:
         """Wrap an already set-up ``store``; prefer ``StoreClient.open``.
 
         ``reader`` is the transfer engine ``store`` was set up on (None:
-        a failed get is not retried on another replica).
+        a failed get is not retried on another replica).  ``keeper``
+        restores this client's transfer metadata when the metadata
+        server lost it (checked every ``metadata_check_s`` in a daemon
+        thread until ``close``; None: not watched).
         """
         self._store = store
         self._reader = reader
+        self._warn = RateLimitedWarning(log)
         self.config = config
         self._replicate = replicate_config
         self._check_regions = check_regions
@@ -142,6 +155,11 @@ class StoreClient:
         self._closed = False
         self._registered: dict[int, int] = {}
         self._starts: list[int] = []
+        self._watch = (
+            MetadataWatch(keeper, metadata_check_s, self._on_metadata).start()
+            if keeper is not None
+            else None
+        )
 
     # -- set-up and teardown --------------------------------------------------
 
@@ -229,12 +247,20 @@ class StoreClient:
             ", SSD tier on" if config.enable_ssd_offload else "",
             ", replica reads on" if reader is not None else "",
         )
+        keeper = (
+            MetadataKeeper.for_server(
+                config.metadata_server, store.get_hostname()
+            )
+            if real
+            else None
+        )
         return cls(
             store,
             config,
             replicate_config=replicate,
             check_regions=check_regions,
             reader=reader,
+            keeper=keeper,
         )
 
     def close(self) -> bool:
@@ -261,6 +287,8 @@ class StoreClient:
                     )
                     break
                 self._idle.wait(left)
+        if self._watch is not None:
+            self._watch.stop(min(1.0, max(0.0, deadline - time.monotonic())))
         result: list[int] = []
         closer = threading.Thread(
             target=lambda: result.append(self._store.close()),
@@ -904,9 +932,52 @@ class StoreClient:
             failed,
         )
         self.stats.record(result, failed)
-        if failed and log.isEnabledFor(logging.DEBUG):
-            log.debug("%r", result)
+        if failed:
+            self._note_faults(op, outcomes, codes)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%r", result)
         return result
+
+    def _note_faults(
+        self, op: Op, outcomes: list[Outcome], codes: list[int]
+    ) -> None:
+        """Count and report (rate-limited) keys the store failed to move."""
+        faults = transfer_faults(op, outcomes, codes)
+        if not faults:
+            return
+        n = sum(faults.values())
+        self.stats.fault("transfer", n)
+        self._warn.note(
+            f"transfer:{op.value}",
+            n,
+            "Mooncake store answers but cannot transfer: %d key(s) of a "
+            "%s failed with codes %s (a peer's segment or transfer "
+            "metadata missing, e.g. after a master restart, or no segment "
+            "mounted); loads recompute, saves are dropped",
+            n,
+            op.value,
+            dict(faults.most_common()),
+        )
+
+    def _on_metadata(self, check: MetadataCheck) -> None:
+        """Count and report (rate-limited) one metadata check."""
+        if not check.missing:
+            return
+        self.stats.fault("metadata_missing", check.missing)
+        if check.restored:
+            self.stats.fault("metadata_restored", check.restored)
+        self._warn.note(
+            "metadata",
+            check.missing,
+            "transfer metadata of store client %s missing from the "
+            "metadata server %s (%d of 2 entries; did the master restart?): "
+            "peers cannot read its segment until it is published again; "
+            "%d restored from the client's last copy",
+            self._watch.keeper.name if self._watch is not None else "?",
+            self.config.metadata_server,
+            check.missing,
+            check.restored,
+        )
 
     def _short(self, op: Op, n: int, started: float) -> BatchResult:
         result = BatchResult(

@@ -21,6 +21,12 @@ from connector.store.codes import _SUCCESS, Op, Outcome
 
 _LATENCY_SAMPLES: Final = 1024
 
+FAULT_KINDS: Final = ("transfer", "metadata_missing", "metadata_restored")
+"""What `StoreCounters.fault` counts: keys that failed although the
+master answered (``transfer``), and the client's own transfer-metadata
+entries found missing from the metadata server and written back
+(``connector.store.metadata``)."""
+
 
 @attrs.define(slots=True)
 class OpCounters:
@@ -67,6 +73,10 @@ class StoreCounters:
         self._lock = threading.Lock()
         self._ops = {op: OpCounters() for op in Op}
         self.breaker_trips = 0
+        self.faults: dict[str, int] = {}
+        """Cumulative fault counts by kind (`FAULT_KINDS`)."""
+        self.fault_total = 0
+        """Their sum (read lock-free to tell whether any changed)."""
         self._recorded = False
 
     @property
@@ -90,6 +100,17 @@ class StoreCounters:
                 for outcome in result.outcomes:
                     if outcome not in _SUCCESS:
                         failures[outcome] = failures.get(outcome, 0) + 1
+
+    def fault(self, kind: str, count: int = 1) -> None:
+        """Count ``count`` faults of ``kind`` (one of `FAULT_KINDS`)."""
+        with self._lock:
+            self.faults[kind] = self.faults.get(kind, 0) + count
+            self.fault_total += count
+
+    def faults_copy(self) -> dict[str, int]:
+        """A copy of the cumulative fault counts."""
+        with self._lock:
+            return dict(self.faults)
 
     def trip(self) -> None:
         """Count one breaker trip."""

@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 MAIN_PYTHON := 3.11
 PYMATRIX := 3.12 3.13
 
-.PHONY: all venv venv-e2e pymatrix e2e unit-e2e serving-e2e bench-ttft cluster bench-cluster bench-ha bench-multiturn bench-tp test lint imports typecheck typing diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
+.PHONY: all venv venv-e2e pymatrix e2e unit-e2e malloc-check serving-e2e bench-ttft cluster bench-cluster bench-ha bench-multiturn bench-tp test lint imports typecheck typing diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
 
 all: test
 
@@ -36,7 +36,7 @@ typecheck: $(STAMP)
 
 # The typing suite: mypy --strict over tests/typing/ (assert_type checks
 # that must pass, misuse that must fail on the lines marked `# E:`) and the
-# README's own example (tests/test_typing.py).
+# define-your-own example of docs/guide-lifecycle.md (tests/test_typing.py).
 typing: $(STAMP)
 	$(PY) -m pytest tests/test_typing.py -q $(PYTEST_ARGS)
 
@@ -60,12 +60,22 @@ docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -E -b html docs $(DOCS_OUT)
 	@echo "docs: $(DOCS_OUT)/index.html"
 
-test: lint imports typecheck typing diagrams-check docs unit pymatrix unit-e2e serving-e2e
+test: lint imports typecheck typing diagrams-check docs unit malloc-check pymatrix unit-e2e serving-e2e
 
 # The Python matrix (about 2 minutes per Python on the 2-core machine,
 # plus about 1 minute per venv when requirements/pymatrix.txt changed).
 pymatrix:
 	scripts/pymatrix.sh $(PYMATRIX)
+
+# The worker and store tests under glibc's malloc checks (PYTHONMALLOC=malloc,
+# MALLOC_PERTURB_, MALLOC_CHECK_=3 with libc_malloc_debug preloaded): KV
+# memory used after it was freed crashes or corrupts, and the run fails
+# naming the signal (scripts/malloc_check.py).
+MALLOC_CHECK_TESTS ?= tests/test_worker_seams.py tests/test_worker_lifecycle.py tests/test_load_deadline.py tests/test_store_roundtrip.py tests/test_worker_sleep.py tests/test_layerwise.py
+MALLOC_CHECK_RUNS ?= 2
+
+malloc-check: $(STAMP)
+	$(PY) scripts/malloc_check.py --runs $(MALLOC_CHECK_RUNS) $(MALLOC_CHECK_TESTS) $(PYTEST_ARGS)
 
 # The ordering fuzzer with a large budget (`make test` runs the CI budget).
 # FUZZ_EXAMPLES=N overrides the number of examples.

@@ -24,12 +24,19 @@ Four set-ups run side by side, the same requests, one after the other:
 - ``theirs``: vLLM 0.33's `MooncakeStoreConnector`; its lookup server is
   `benchmarks.scheduler_step`'s ZMQ stand-in (answers 0 hits at once).
 
+``--modes ...,layerwise`` adds ``ours`` with layer-wise loads
+(``layerwise_load_max_blocks`` = `LAYERWISE_BLOCKS`): a store hit is
+scheduled in the step it is admitted.
+
 Per (N, set-up), over the bursts: ``connector_us_per_admission`` (all time
 inside the connector's hooks, on the scheduler thread, from the burst's
-arrival until every request of the burst is scheduled, divided by N),
+arrival until every request of the burst is admitted, divided by N),
 ``extra_steps_to_schedule`` (per kind of request, the most steps any
-request of that kind waited past the step it arrived in, where ``none``
-schedules the whole burst at once), and ``step_ms_p50``/``step_ms_p99``
+request of that kind waited past the step it arrived in until admitted:
+scheduled, or loading in ``WAITING_FOR_REMOTE_KVS``, where ``none``
+schedules the whole burst at once), ``extra_steps_to_run`` (the same,
+until scheduled to run a forward pass: an asynchronous load's step
+counts, a layer-wise load's does not), and ``step_ms_p50``/``step_ms_p99``
 over those steps (`schedule()` + `update_from_output()`).  Between the
 two, each step sleeps ``--forward-ms`` (1 ms by default, not timed) in
 place of the forward pass, during which an engine's thread releases the
@@ -90,6 +97,10 @@ from harness.prompts import random_tokens
 
 BURSTS = (64, 256, 1024)
 MODES = ("none", "noop", "ours", "theirs")
+#: ``ours`` with layer-wise loads (`layerwise_load_max_blocks`): not run
+#: unless named in ``--modes``.
+LAYERWISE = "layerwise"
+LAYERWISE_BLOCKS = 64
 RUNNING = 128
 REPEATS = 3
 PREFIXES = 8
@@ -240,8 +251,11 @@ class Run:
         forward_s: float,
     ) -> None:
         self.mode = mode
+        self.base = "ours" if mode == LAYERWISE else mode
         self.forward_s = forward_s
-        self.extra = _extra_config(mode, master)
+        self.extra = _extra_config(self.base, master)
+        if mode == LAYERWISE:
+            self.extra["layerwise_load_max_blocks"] = LAYERWISE_BLOCKS
         self.server = None
         if mode == "theirs":
             os.environ["VLLM_RPC_BASE_PATH"] = tmp
@@ -249,7 +263,7 @@ class Run:
         harness_cls = _harness_class()
         harness_cls.no_connector = mode == "none"
         self.h = harness_cls(
-            _CLASSES[mode],
+            _CLASSES[self.base],
             extra_config=self.extra,
             num_blocks=capacity * 8 + 64,
             max_num_seqs=capacity,
@@ -268,9 +282,10 @@ class Run:
 
         freeze_gc_heap()
         self.timer = SlowestHook(self.connector) if self.connector else None
-        self.worker = StandInWorker(mode)
+        self.worker = StandInWorker(self.base)
         self.steps = 0
         self.finished = 0
+        self.ran: set[str] = set()
 
     @property
     def connector_s(self) -> float:
@@ -291,7 +306,8 @@ class Run:
         return self.scheduler.requests[req_id]
 
     def step(self) -> tuple[float, set[str]]:
-        """One engine step; its time (s) and the requests it scheduled."""
+        """One engine step; its time (s) and the requests it admitted
+        (scheduled, or loading asynchronously); `ran`: those scheduled."""
         self.steps += 1
         started = time.perf_counter()
         so = self.scheduler.schedule()
@@ -308,9 +324,8 @@ class Run:
         # driver (a heap growing with every request would make the
         # collector's full passes ever longer, in whatever hook runs).
         self.h.forget(so.finished_req_ids)
-        admitted = {r.req_id for r in so.scheduled_new_reqs}
-        admitted |= self._loading()
-        return total, admitted
+        self.ran = {r.req_id for r in so.scheduled_new_reqs}
+        return total, self.ran | self._loading()
 
     def _loading(self) -> set[str]:
         from vllm.v1.request import RequestStatus  # noqa: PLC0415
@@ -356,6 +371,7 @@ def measure(
             run.step()
         per_admission: list[float] = []
         extra_steps: dict[str, int] = dict.fromkeys(KINDS, 0)
+        extra_run: dict[str, int] = dict.fromkeys(KINDS, 0)
         step_s: list[float] = []
         running = [
             list(r.prompt_token_ids)
@@ -368,10 +384,12 @@ def measure(
             burst_of = _burst(
                 rng, burst, stored=prefixes, running=running, missed=missed
             )
-            waited = _admit(run, writer, k, burst_of, step_s)
-            per_admission.append((run.connector_s - before) / burst)
+            waited, ran, admitted_s = _admit(run, writer, k, burst_of, step_s)
+            per_admission.append((admitted_s - before) / burst)
             for kind, n in waited.items():
                 extra_steps[kind] = max(extra_steps[kind], n)
+            for kind, n in ran.items():
+                extra_run[kind] = max(extra_run[kind], n)
             for _ in range(4):  # the burst finishes (2 tokens each)
                 run.step()
         return {
@@ -381,6 +399,7 @@ def measure(
                 statistics.median(per_admission) * 1e6, 2
             ),
             "extra_steps_to_schedule": extra_steps,
+            "extra_steps_to_run": extra_run,
             "step_ms_p50": round(percentile(step_s, 50) * 1e3, 3),
             "step_ms_p99": round(percentile(step_s, 99) * 1e3, 3),
         }
@@ -394,11 +413,13 @@ def _admit(
     repeat: int,
     burst: list[tuple[str, list[int]]],
     step_s: list[float],
-) -> dict[str, int]:
-    """Add `burst` at once, step until all of it is scheduled.
+) -> tuple[dict[str, int], dict[str, int], float]:
+    """Add `burst` at once, step until all of it ran a forward pass.
 
     Returns, per kind, the most steps a request of it waited past the
-    step it arrived in.
+    step it arrived in: until admitted (scheduled, or loading in
+    ``WAITING_FOR_REMOTE_KVS``), and until scheduled to run; and
+    `run.connector_s` when the last one was admitted.
     """
     kinds: dict[str, str] = {}
     requests = []
@@ -406,27 +427,37 @@ def _admit(
         requests.append(run.add(f"b{repeat}-{i}", prompt, 2))
         kinds[f"b{repeat}-{i}"] = kind
     _store_prefixes(
-        writer if run.mode == "ours" else None,
+        writer if run.base == "ours" else None,
         run.connector,
         [r for r in requests if kinds[r.request_id] == "store_hit"],
     )
-    waiting = set(kinds)
+    waiting, not_run = set(kinds), set(kinds)
     waited: dict[str, int] = {}
+    ran: dict[str, int] = {}
+    admitted_s = 0.0
     for n in range(_MAX_STEPS):
         took, admitted = run.step()
         step_s.append(took)
         for req_id in waiting & admitted:
             waited[req_id] = n
+        for req_id in not_run & run.ran:
+            ran[req_id] = n
+        if waiting and not waiting - admitted:
+            admitted_s = run.connector_s
         waiting -= admitted
-        if not waiting:
+        not_run -= run.ran
+        if not not_run:
             break
-    if waiting:
-        msg = f"{run.mode} N={len(burst)}: {len(waiting)} never scheduled"
+    if not_run:
+        msg = f"{run.mode} N={len(burst)}: {len(not_run)} never scheduled"
         raise RuntimeError(msg)
     most: dict[str, int] = {}
+    most_run: dict[str, int] = {}
     for req_id, n in waited.items():
         most[kinds[req_id]] = max(most.get(kinds[req_id], 0), n)
-    return most
+    for req_id, n in ran.items():
+        most_run[kinds[req_id]] = max(most_run.get(kinds[req_id], 0), n)
+    return most, most_run, admitted_s
 
 
 def _miss_prefixes(
@@ -649,7 +680,7 @@ def run_all(
         try:
             for burst in bursts:
                 for mode in modes:
-                    if mode == "ours":
+                    if mode in ("ours", LAYERWISE):
                         writer = writer or PrefixWriter(master, "")
                     try:
                         results.append(
@@ -748,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
-    unknown = set(modes) - set(MODES)
+    unknown = set(modes) - {*MODES, LAYERWISE}
     if unknown:
         parser.error(f"unknown modes: {sorted(unknown)}")
     logging.basicConfig(level=logging.ERROR)

@@ -588,8 +588,32 @@ def _ms(
     return out
 
 
+def run_hung_peer(args: argparse.Namespace) -> dict[str, Any]:
+    """Only ``hung_peer`` (``--only hung_peer``); the report."""
+    load_keys: dict[str, Any] = {}
+    if args.layerwise:
+        load_keys["layerwise_load_max_blocks"] = args.layerwise
+    with cluster(args.client_ttl) as c:
+        owner, reader = c.spawn("H", "R")
+        hung, hung_detail = hung_peer(
+            c,
+            owner,
+            reader,
+            prefixes=args.prefixes,
+            per_prefix=args.per_prefix,
+            interval_s=args.interval,
+            **load_keys,
+        )
+    report: dict[str, Any] = {"hung_peer": hung, "load_keys": load_keys}
+    if args.detail:
+        report["detail"] = {"hung_peer": hung_detail}
+    return report
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every scenario in one cluster run; the report (and detail)."""
+    if args.only == "hung_peer":
+        return run_hung_peer(args)
     started = time.monotonic()
     with cluster(args.client_ttl) as c:
         peer_death, restart, detail = peer_death_and_restart(
@@ -675,6 +699,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also run store_full with Mooncake's SSD tier",
     )
+    parser.add_argument(
+        "--only",
+        choices=["hung_peer"],
+        help="run one scenario (its goals only)",
+    )
+    parser.add_argument(
+        "--layerwise",
+        type=int,
+        default=0,
+        help="layerwise_load_max_blocks of the --only scenario's instances",
+    )
     parser.add_argument("--detail", action="store_true")
     parser.add_argument("--json", action="store_true", help="print JSON")
     return parser.parse_args(argv)
@@ -688,8 +723,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
     else:
         print(json.dumps(report, indent=2))
-    pd, full = report["peer_death"], report["store_full"]
     hung = report["hung_peer"]
+    if args.only == "hung_peer":
+        good = hung["requests_finished"] == hung["requests"]
+        return 0 if good and hung["mismatches"] == 0 else 1
+    pd, full = report["peer_death"], report["store_full"]
     ok = (
         pd["requests_finished"] == pd["requests"]
         and hung["requests_finished"] == hung["requests"]

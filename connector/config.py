@@ -59,6 +59,7 @@ from connector.config_values import (
     is_bool,
     key_help,
     master_endpoints,
+    not_negative,
     of_type,
     parse_size,
     positive,
@@ -234,7 +235,12 @@ class StoreConfig:
     close_timeout_ms: int = attrs.field(
         default=5000,
         validator=[of_type(int), positive],
-        metadata=key_help("Bound of closing the store client.", coerce_int),
+        metadata=key_help(
+            "How long closing the store client waits for calls in flight; "
+            "with calls still in flight then, or the master gone, the "
+            "client is left to process exit.",
+            coerce_int,
+        ),
     )
     replica_num: int = attrs.field(
         default=1,
@@ -711,10 +717,34 @@ class LoadConfig:
         ),
     )
 
+    layerwise_load_max_blocks: int = attrs.field(
+        default=0,
+        validator=[of_type(int), not_negative],
+        metadata=key_help(
+            "A store hit of at most this many blocks loads layer-wise: vLLM "
+            "schedules the request in the step it is admitted (no step "
+            "spent in ``WAITING_FOR_REMOTE_KVS``) and the forward pass "
+            "waits for the KV before each layer, each wait bounded by "
+            "``transfer_timeout`` (past it the blocks are recomputed). "
+            "Larger hits (a load that would not hide behind one forward "
+            "pass) and every hit of a hybrid model load asynchronously. "
+            "``0`` (the default), or ``transfer_timeout = 0``: every load "
+            "is asynchronous.",
+            coerce_int,
+        ),
+    )
+
     @property
     def timeout_s(self) -> float | None:
         """The load deadline in seconds, or None when off."""
         return self.transfer_timeout or None
+
+    @property
+    def layerwise_max_blocks(self) -> int:
+        """Most blocks of a layer-wise load (0: none; needs a deadline)."""
+        if self.timeout_s is None:
+            return 0
+        return self.layerwise_load_max_blocks
 
     def transport_env(self) -> dict[str, str]:
         """Mooncake TCP transport bounds to match the deadline.

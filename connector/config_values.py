@@ -48,6 +48,7 @@ __all__ = [
     "config_key",
     "key_help",
     "master_endpoints",
+    "not_negative",
     "of_type",
     "parse_size",
     "positive",
@@ -331,6 +332,12 @@ def positive(_: object, field: attrs.Attribute[Any], value: float) -> None:
     """Greater than 0."""
     if value <= 0:
         raise ConfigError(config_key(field), value, "must be positive")
+
+
+def not_negative(_: object, field: attrs.Attribute[Any], value: float) -> None:
+    """At least 0."""
+    if value < 0:
+        raise ConfigError(config_key(field), value, "must be 0 or more")
 
 
 def check_namespace(

@@ -41,6 +41,12 @@ class TransferJob:
         group_ids: The KV cache group of each block (hybrid models: a
             job moves (group, block) pairs); empty means every block is
             in group 0.
+        layerwise: A load vLLM schedules in the step that issues it
+            (``load_async`` False): the worker starts it in
+            `start_load_kv` and `wait_for_layer_load` waits for it, bounded
+            by the load deadline.  It never gets a receive completion;
+            its failed blocks go through ``get_block_ids_with_load_errors``
+            in the same step.
     """
 
     job_id: int
@@ -52,6 +58,7 @@ class TransferJob:
     pinned: bool = False
     finished: bool = False
     group_ids: tuple[int, ...] = ()
+    layerwise: bool = False
 
     def groups(self) -> tuple[int, ...]:
         """The group of each block (all 0 for a single-group job)."""

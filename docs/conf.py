@@ -24,6 +24,8 @@ extensions = [
 ]
 # reStructuredText pages, plus Markdown pages through MyST.
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+# Markdown pages link to their own sections by heading (``#the-title``).
+myst_heading_anchors = 3
 
 root_doc = "index"
 exclude_patterns = ["_build"]

@@ -296,6 +296,10 @@ class Harness:
 
     """
 
+    #: Requests whose token sampled this step vLLM drops (a failed
+    #: layer-wise load: the step is recomputed).
+    _discard: frozenset[str] = frozenset()
+
     def __init__(
         self,
         connector: str,
@@ -372,6 +376,9 @@ class Harness:
         self._in_flight_aborts: list[str] = []
         self._awaiting_resume: set[str] = set()
         self._step_failures: list[str] = []
+        # Per request, per layer: blocks whose KV was wrong when the
+        # layer's wait returned (`_check_layer`), judged at step end.
+        self._layer_misses: dict[str, dict[str, set[int]]] = {}
 
         module, _, class_name = connector.rpartition(".")
         with self._runner_env():
@@ -959,6 +966,15 @@ class Harness:
                 results = connector.get_transfer_results(
                     scheduler_output.finished_req_ids
                 )
+                invalid = connector.get_block_ids_with_load_errors()
+                self._judge_layers(invalid)
+                # vLLM drops the token sampled this step by a running
+                # request whose (layer-wise) load failed: it recomputes.
+                self._discard = frozenset(
+                    r
+                    for r in positions
+                    if invalid & set(self._worker_reqs[r].block_ids)
+                )
                 # The v2 runner turns empty sets into None;
                 # the v1 runner passes them on as they are.
                 empty: set[str] | None = (
@@ -968,7 +984,7 @@ class Harness:
                     finished_sending=results.finished_sending or empty,
                     finished_recving=results.finished_recving or empty,
                     failed_recving=results.failed_recving,
-                    invalid_block_ids=connector.get_block_ids_with_load_errors(),
+                    invalid_block_ids=invalid,
                     kv_connector_stats=connector.get_kv_connector_stats(),
                     kv_cache_events=(
                         connector.get_kv_connector_kv_cache_events()
@@ -1140,7 +1156,57 @@ class Harness:
                         _head_layer(layer, head),
                         self.kv_width,
                     )
+            if self.check_every_step:  # what the layer's attention reads
+                self._check_layer(layer, name, positions)
             connector.save_kv_layer(name, self.kv_caches[name], attn_metadata)
+
+    def _check_layer(
+        self, layer: int, name: str, positions: dict[str, range]
+    ) -> None:
+        """When layer `name`'s attention runs, its KV is in.
+
+        After `wait_for_layer_load(name)` and the step's own writes of the
+        layer (another request of the batch may be computing a block this
+        one hit in vLLM's prefix cache): every position a scheduled
+        request counts as computed before this step (a local hit, a load,
+        earlier steps) must hold, in this layer, the KV recomputation
+        writes, unless the connector reports its block failed this step
+        (`_judge_layers`).
+        """
+        for req_id, ps in positions.items():
+            if not ps.start:
+                continue
+            hashes = self._hashes[req_id][: ps.start]
+            slots = self._slots(req_id, range(ps.start))
+            for head, kv in self._head_views(name):
+                expected = kv_values(
+                    hashes, _head_layer(layer, head), self.kv_width
+                )
+                bad = (kv[slots] != expected).any(dim=1).nonzero()
+                if bad.numel():
+                    blocks = {
+                        int(slots[int(i)]) // self.block_size for i in bad
+                    }
+                    self._layer_misses.setdefault(req_id, {}).setdefault(
+                        name, set()
+                    ).update(blocks)
+
+    def _judge_layers(self, invalid: set[int]) -> None:
+        """Fail each layer whose KV was wrong when its wait returned.
+
+        Not for blocks the connector reported as load errors this step
+        (vLLM discards the step's output for them and recomputes).
+        """
+        misses, self._layer_misses = self._layer_misses, {}
+        for req_id, layers in misses.items():
+            for name, blocks in layers.items():
+                if wrong := sorted(blocks - invalid):
+                    self._fail(
+                        f"step {self.num_steps}: {req_id}: layer {name} "
+                        f"holds wrong KV in block(s) {wrong}"
+                        " when its attention runs (not reported as load "
+                        "errors)"
+                    )
 
     def _sample(self, req_id: str, positions: range) -> list[int]:
         """Sample after a step that reaches the request's last known token."""
@@ -1150,7 +1216,7 @@ class Harness:
         if positions.stop > len(tokens):
             return []  # already failed in _forward
         token = sample_token(self._hashes[req_id][positions.stop - 1])
-        if positions.stop == len(tokens):
+        if positions.stop == len(tokens) and req_id not in self._discard:
             tokens.append(token)
             hashes = self._hashes[req_id]
             hashes.append(extend_hash(hashes[-1], token))

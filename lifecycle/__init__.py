@@ -31,7 +31,13 @@ from lifecycle.errors import (
     TableProblem,
     UnknownRequest,
 )
-from lifecycle.machine import LifecycleMachine, Observer, RejectObserver
+from lifecycle.machine import (
+    LifecycleMachine,
+    Observer,
+    Outcome,
+    RejectObserver,
+    atomic,
+)
 from lifecycle.registry import Registry, TrackerFactory
 from lifecycle.table import Row, Table
 from lifecycle.tracker import Tracker, define_tracker
@@ -43,6 +49,7 @@ __all__ = [
     "LifecycleError",
     "LifecycleMachine",
     "Observer",
+    "Outcome",
     "ReentrantFire",
     "Registry",
     "RejectObserver",
@@ -52,5 +59,6 @@ __all__ = [
     "Tracker",
     "TrackerFactory",
     "UnknownRequest",
+    "atomic",
     "define_tracker",
 ]

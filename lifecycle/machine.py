@@ -21,7 +21,11 @@ import enum
 import logging
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Final, Generic, Never, Protocol
+
+import attrs
 
 from lifecycle._counts import Counts
 from lifecycle._generic import Padded
@@ -69,6 +73,34 @@ log: Final = logging.getLogger("lifecycle")
 ILLEGAL: Final = "illegal"
 STALE: Final = "stale"
 REFUSED: Final = "refused"
+APPLIED: Final = "applied"
+FAILED: Final = "failed"
+
+
+@attrs.frozen
+class Outcome(Generic[S, E]):
+    """What one `LifecycleMachine.fire_outcome` did, read under the lock.
+
+    Truthy exactly when a row applied (as `fire`'s bool).
+
+    Attributes:
+        kind: `APPLIED`, `ILLEGAL` (no row for the state), `STALE` (an
+            older epoch), `REFUSED` (every guard said no) or `FAILED` (a
+            guard or callback raised; state and epoch restored).
+        source: The state the event found (None for an unknown id).
+        state: The state after the event (None for an unknown id).
+        row: The row that applied (which guarded alternative), else None.
+        expected: A refusal the table lists in ``expected_refusals``.
+    """
+
+    kind: str
+    source: S | None
+    state: S | None
+    row: Row[S, E, Any, Any] | None = None
+    expected: bool = False
+
+    def __bool__(self) -> bool:
+        return self.kind == APPLIED
 
 
 class Observer(Protocol[T_contra, S_contra, E_contra]):
@@ -144,12 +176,21 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
     Args:
         table: The transition table.
         strict: Raise `IllegalTransition` on an illegal ordering,
-            `GuardRefused` when every guard refuses, and re-raise what a
+            `GuardRefused` when every guard refuses (except the table's
+            ``expected_refusals``, never raised), and re-raise what a
             callback raised, instead of the logged, counted no-op.  For
             tests.
-        thread_safe: Hold a lock for each transition (the default).  Only
-            a machine whose events all come from one thread may pass
-            False, which makes an event about 1.5 times cheaper.
+        thread_safe: Hold the machine's lock for each transition (the
+            default).  A machine may pass False (an event about 1.5
+            times cheaper) exactly when no two of its events, its
+            registries' creations and drops, and its counter reads can
+            run at once: all come from one thread, or every caller holds
+            one lock while it fires (e.g. `atomic` over a shared
+            ``lock=``).  It then also skips the `ReentrantFire` check.
+        lock: The lock `fire` holds (default: a new `threading.RLock` of
+            this machine's own).  Pass one `threading.RLock` to several
+            machines to compose them: under `atomic` (or ``with lock:``)
+            a sequence of events across their tables is atomic.
         log_interval: Seconds between two log records for the same
             (state, event) pair; the rest are counted.
         logger: Where illegal orderings, refusals and callback failures
@@ -169,6 +210,12 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
     observers run inside the transition and must not fire events: one that
     does gets `ReentrantFire` (a machine with ``thread_safe=False`` does
     not check).
+
+    Composition: per-machine locks make each event atomic, not a sequence
+    of events across tables.  Build the machines with one shared
+    ``lock=threading.RLock()`` and fire the sequence inside
+    ``with atomic(a, b):`` (claim a block, fire on the request, undo on
+    failure): no other thread sees it half done.
     """
 
     _defaults = (Any, Any)  # T and D have defaults (see `Padded`)
@@ -193,13 +240,15 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
     Returns:
         True if a row applied.  False for an illegal ordering (tracker
         unchanged, counted, logged at a bounded rate), a stale event, an
-        event every guard refused (counted in `guard_counts`, logged at a
-        bounded rate), or a callback that raised (state and epoch
+        event every guard refused (counted in `guard_counts`, logged at
+        INFO at a bounded rate; at DEBUG for the table's
+        ``expected_refusals``), or a callback that raised (state and epoch
         restored, counted, logged).
 
     Raises:
         IllegalTransition: in strict mode, for an illegal ordering.
-        GuardRefused: in strict mode, when every guard refused.
+        GuardRefused: in strict mode, when every guard refused (not for
+            the table's ``expected_refusals``).
         Exception: in strict mode, what a callback or guard raised.
         ReentrantFire: called from a callback, guard or observer.
         TypeError: `event` is not an event of the table.
@@ -213,6 +262,7 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         thread_safe: bool = True,
         log_interval: float = 10.0,
         logger: logging.Logger = log,
+        lock: threading.RLock | None = None,
     ) -> None:
         self.table: Table[S, E, D, T] = table
         """The table this machine applies."""
@@ -225,16 +275,26 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         self._guard_counts: Counter[tuple[S, E]] = Counter()
         self._callback_errors: Counter[tuple[S, E]] = Counter()
         self._tx = stock_machine(table)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock() if lock is None else lock
         self._illegal_log = RateLimitedLog(logger, log_interval)
         self._refused_log = RateLimitedLog(logger, log_interval, logging.INFO)
         self._stale_log = RateLimitedLog(logger, log_interval, logging.DEBUG)
+        self._expected_log = RateLimitedLog(
+            logger, log_interval, logging.DEBUG
+        )
+        self._expected_refusals = table.expected_refusals
         self._error_log = RateLimitedLog(logger, log_interval, logging.ERROR)
         self._observers: tuple[Observer[T, S, E], ...] = ()
         self._reject_observers: tuple[RejectObserver[S, E], ...] = ()
         self._rows: tuple[Row[S, E, D, T], ...] = table.rows
         self._counts: list[int] = [0] * len(table.rows)
+        # What `fire_outcome` returns for each applied row, built once.
+        self._applied: tuple[Outcome[S, E], ...] = tuple(
+            Outcome(APPLIED, r.source, r.dest, r) for r in table.rows
+        )
         self._busy = [False]  # inside a transition (the reentrancy check)
+        # Why the last event under the lock was not applied (fire_outcome).
+        self._rejected = ""
         self._dispatch = self._compile()
         self._always: dict[E, tuple[Callback, ...]] = {
             r.event: table.stale_callbacks(r.event)
@@ -393,9 +453,70 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
                 finally:
                     busy[0] = False
 
+        self._step = fire_unlocked
         chosen = fire_locked if self.thread_safe else fire_unlocked
         chosen.__doc__ = "Apply `event` to `tracker`: `LifecycleMachine.fire`."
         return chosen
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock `fire` holds (shared by machines built with ``lock=``)."""
+        return self._lock
+
+    def fire_outcome(
+        self,
+        tracker: T,
+        event: E,
+        *,
+        epoch: int | None = None,
+        data: D | None = None,
+    ) -> Outcome[S, E]:
+        """`fire`, returning what happened instead of a bool.
+
+        The same step and policy (strict mode raises the same), read under
+        the machine's lock, so the row and state are the event's own even
+        while other threads fire.  An applied row's outcome is built once
+        per row; `fire` stays the bool hot path.
+        """
+        with self._lock:
+            busy = self._busy
+            if busy[0] and self.thread_safe:
+                raise ReentrantFire(event, tracker.req_id, self.name)
+            busy[0] = True
+            try:
+                source: S = tracker.state
+                compiled = self._dispatch.get(event, {}).get(source)
+                self._rejected = ""
+                if compiled is not None and compiled[4] is None:
+                    # One row for the pair: applied means that row.
+                    if self._step(tracker, event, epoch, data):
+                        return self._applied[compiled[2]]
+                elif compiled is not None:
+                    counts = self._counts
+                    indices = self._indices(compiled)
+                    before = [counts[i] for i in indices]
+                    if self._step(tracker, event, epoch, data):
+                        for i, n in zip(indices, before, strict=True):
+                            if counts[i] != n:
+                                return self._applied[i]
+                else:
+                    self._step(tracker, event, epoch, data)
+            finally:
+                busy[0] = False
+            kind = self._rejected or ILLEGAL
+            return Outcome(
+                kind,
+                source,
+                tracker.state,
+                expected=kind == REFUSED
+                and (source, event) in self._expected_refusals,
+            )
+
+    @staticmethod
+    def _indices(compiled: _Compiled) -> tuple[int, ...]:
+        """The row indices of a compiled (state, event), in order."""
+        rest: tuple[_Alt, ...] = compiled[4] or ()
+        return (compiled[2], *(alt[2] for alt in rest))
 
     # -- the typed event API ----------------------------------------------
 
@@ -417,6 +538,7 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         }
 
     def _illegal(self, tracker: T, event: E) -> bool:
+        self._rejected = ILLEGAL
         if event not in self._dispatch:
             msg = (
                 f"{event!r} is not an event of table {self.table.name!r} "
@@ -462,12 +584,20 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         return None
 
     def _refused(self, tracker: T, event: E) -> None:
+        self._rejected = REFUSED
         state: S = tracker.state
         self._guard_counts[(state, event)] += 1
         for observer in self._reject_observers:
             observer(
                 tracker.req_id, tracker.epoch, state, event, None, REFUSED
             )
+        if (state, event) in self._expected_refusals:
+            self._expected_log.emit(
+                ("expected", state, event),
+                "lifecycle event declined by its guards (expected):",
+                self._fields(tracker, state, event),
+            )
+            return
         if self.strict:
             raise GuardRefused(
                 state,
@@ -484,6 +614,7 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         )
 
     def _stale(self, tracker: T, event: E, epoch: int, data: D | None) -> bool:
+        self._rejected = STALE
         state: S = tracker.state
         self._stale_counts[(state, event)] += 1
         for observer in self._reject_observers:
@@ -507,6 +638,7 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
         self, tracker: T, state: S, epoch: int, event: E, exc: Exception
     ) -> bool:
         """A guard or callback raised: restore, count, log (or re-raise)."""
+        self._rejected = FAILED
         tracker.state = state
         tracker.epoch = epoch
         if isinstance(exc, ReentrantFire):
@@ -600,3 +732,28 @@ class LifecycleMachine(Padded, Generic[S, E, T, D]):
     def illegal_total(self) -> int:
         """Illegal orderings seen so far (unknown ids included)."""
         return sum(self._illegal_counts.values())
+
+
+@contextmanager
+def atomic(*machines: LifecycleMachine[Any, Any, Any, Any]) -> Iterator[None]:
+    """Hold the one lock `machines` share: their events inside are atomic.
+
+    Build the machines with one ``lock=threading.RLock()``; inside the
+    block, no other thread fires on any of them (nor creates or drops
+    their trackers), so "claim a block, fire on the request, undo on
+    failure" across tables is one step.  Do not fire from callbacks: fire
+    in sequence inside the block.
+
+    Raises:
+        ValueError: no machines, or they do not share one lock.
+    """
+    locks = {id(m.lock): m.lock for m in machines}
+    if len(locks) != 1:
+        names = ", ".join(m.name for m in machines) or "none"
+        msg = (
+            f"atomic() needs machines built with one shared lock= "
+            f"(got {len(locks)} locks for: {names})"
+        )
+        raise ValueError(msg)
+    with next(iter(locks.values())):
+        yield

@@ -20,7 +20,12 @@ called from any thread.  Transitions are serialised by the machine's
 lock; creating and dropping trackers are atomic, so two threads never get
 two trackers for one key.  Over a machine built with ``thread_safe=False``
 the registry is as single-threaded as its machine: it takes no lock, and
-every call must come from the one thread that fires its events.
+every call must come from the one thread that fires its events, or be
+made under the lock the machine shares (`lifecycle.atomic`).
+
+Cyclic tables (no terminal state): ``retire_at=`` names the idle states
+where a tracker is dropped as if it ended, so the registry stays bounded
+by the trackers in use; the key's epochs stay monotonic (above).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 import collections
 import enum
 import warnings
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -42,7 +47,8 @@ from typing import (
 import attrs
 
 from lifecycle._generic import Padded
-from lifecycle.machine import LifecycleMachine
+from lifecycle.machine import ILLEGAL, LifecycleMachine, Outcome
+from lifecycle.table import Table
 from lifecycle.tracker import (
     Tracker,
     check_tracker_class,
@@ -101,8 +107,20 @@ class Registry(Padded, Generic[S, E, T, D, K]):
             another one's epochs (it learns them from the jobs it is
             given), or whose late events reach an ended tracker through
             the tracker object itself, never through its key.
+        retire_at: States of a cyclic table (``terminal=()``) where a
+            tracker is *idle*: reaching one drops it like a terminal
+            state, so the registry holds only trackers in use (bounded
+            by them, not by every key ever seen).  The key's next
+            tracker starts in the initial state at an epoch above the
+            retired one's (completions for the old one are stale), so
+            each such state must be the initial state or accept the same
+            rows (event, guard, destination) as it does.  A caller still
+            holding the retired tracker must get the key's live one with
+            `get_or_create` before firing again.
 
     Raises:
+        ValueError: a `retire_at` state is terminal, not a state of the
+            table, or not equivalent to the initial state.
         TypeError: the factory is a tracker class that would be slow or
             compare by value (see `lifecycle.define_tracker`), or whose
             default state is not the table's initial state; for other
@@ -130,6 +148,7 @@ class Registry(Padded, Generic[S, E, T, D, K]):
         factory: _KeyedFactory[K, T],
         *,
         continue_epochs: bool = True,
+        retire_at: Iterable[S] = (),
     ) -> None: ...
 
     @overload
@@ -139,6 +158,7 @@ class Registry(Padded, Generic[S, E, T, D, K]):
         factory: Callable[[K, S], T],
         *,
         continue_epochs: bool = True,
+        retire_at: Iterable[S] = (),
     ) -> None: ...
 
     def __init__(
@@ -147,6 +167,7 @@ class Registry(Padded, Generic[S, E, T, D, K]):
         factory: Any,
         *,
         continue_epochs: bool = True,
+        retire_at: Iterable[S] = (),
     ) -> None:
         self.machine = machine
         self._continue = continue_epochs
@@ -163,7 +184,11 @@ class Registry(Padded, Generic[S, E, T, D, K]):
         self._lock = machine._lock if machine.thread_safe else None  # noqa: SLF001
         self._fire = machine.fire
         # A tuple: `in` compares by identity first (no Enum.__hash__).
-        self._terminal: tuple[S, ...] = tuple(table.terminal)
+        # Idle states of a cyclic table end a tracker the same way.
+        self._terminal: tuple[S, ...] = (
+            *table.terminal,
+            *_retire_states(table, retire_at),
+        )
         self._checked: type | None = None
         if isinstance(factory, type):
             check_tracker_class(factory)
@@ -314,6 +339,30 @@ class Registry(Padded, Generic[S, E, T, D, K]):
                 self._drop(tracker)
         return applied
 
+    def fire_outcome(
+        self,
+        req_id: K,
+        event: E,
+        *,
+        epoch: int | None = None,
+        data: D | None = None,
+    ) -> Outcome[S, E]:
+        """`fire`, returning the `Outcome` (`LifecycleMachine.fire_outcome`).
+
+        An untracked id is an illegal ordering (the policy applies):
+        ``Outcome(ILLEGAL, None, None)``.  A tracker that ended is dropped.
+        """
+        tracker = self._trackers.get(req_id)
+        if tracker is None:
+            self.machine.unknown(req_id, event)
+            return Outcome(ILLEGAL, None, None)
+        outcome = self.machine.fire_outcome(
+            tracker, event, epoch=epoch, data=data
+        )
+        if outcome and tracker.state in self._terminal:
+            self._drop(tracker)
+        return outcome
+
     def _drop(self, tracker: T) -> None:
         if self._lock is None:
             self._remove(tracker)
@@ -350,6 +399,35 @@ class Registry(Padded, Generic[S, E, T, D, K]):
 
     def __iter__(self) -> Iterator[T]:
         return iter(list(self._trackers.values()))
+
+
+def _retire_states(table: Table[S, Any, Any], given: Iterable[S]) -> list[S]:
+    """`given` checked as `Registry`'s ``retire_at`` states."""
+    states = list(dict.fromkeys(given))
+
+    def rows(state: S) -> set[tuple[object, object, object]]:
+        return {
+            (r.event, r.guard, r.dest) for r in table.rows if r.source is state
+        }
+
+    start = rows(table.initial)
+    for state in states:
+        why = (
+            "is not a state of the table"
+            if state not in table.states
+            else "is terminal (its trackers are dropped anyway)"
+            if state in table.terminal
+            else ""
+            if state is table.initial or rows(state) == start
+            else (
+                f"accepts other rows than the initial state "
+                f"{table.initial.name} (a retired key restarts there)"
+            )
+        )
+        if why:
+            msg = f"retire_at state {state!r} of table {table.name!r} {why}"
+            raise ValueError(msg)
+    return states
 
 
 def _wrong_start(cls: type, state: object, table: str) -> str:

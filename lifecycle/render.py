@@ -108,6 +108,15 @@ def _label(rows: list[AnyRow]) -> str:
     )
 
 
+def _declined(table: AnyTable) -> list[tuple[Any, Any]]:
+    """The table's expected refusals, in state then event order."""
+    order = _state_order(table)
+    return sorted(
+        table.expected_refusals,
+        key=lambda p: (order[p[0]], event_name(p[1])),
+    )
+
+
 def _escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"')
 
@@ -157,6 +166,14 @@ def to_dot(
         lines.append(
             f"  {dot_id(src.name)} -> {dot_id(dst.name)} [{', '.join(attrs)}];"
         )
+    # An expected refusal is an outcome, not a state: a dotted self-loop.
+    for state, event in _declined(table):
+        node = dot_id(state.name)
+        lines.append(
+            f'  {node} -> {node} [label="{_escape(event_name(event))} '
+            f'(declined)", style=dotted, color="#6b7280", '
+            'fontcolor="#6b7280", arrowhead=none];'
+        )
     if illegal:
         if any(state is None for state, _ in illegal):
             lines.append(
@@ -202,6 +219,11 @@ def to_mermaid(table: AnyTable) -> str:
         for state in table.states
         if state in table.terminal
     )
+    lines.extend(
+        f"    note right of {ids[state]} : {event_name(event)} may be "
+        "declined (stays)"
+        for state, event in _declined(table)
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -230,6 +252,14 @@ def to_markdown(table: AnyTable) -> str:
             f"| {r.source.name} | `{event_name(r.event)}` |"
             f"{guard if guarded else ''} {r.dest.name} | "
             f"{', '.join(names) or '—'} |"
+        )
+    declined = _declined(table)
+    if declined:
+        out.append("")
+        out.append(
+            "Expected refusals (the event is declined, the state stays): "
+            + ", ".join(f"{s.name} `{event_name(e)}`" for s, e in declined)
+            + "."
         )
     return "\n".join(out) + "\n"
 

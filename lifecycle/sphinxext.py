@@ -41,7 +41,7 @@ from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
 
 from lifecycle import render
-from lifecycle.table import Table
+from lifecycle.table import Table, event_name
 
 __all__ = [
     "LifecycleDiagram",
@@ -249,8 +249,9 @@ class LifecycleDiagram(_TableDirective):
 class LifecycleTable(_TableDirective):
     """``.. lifecycle-table:: MODULE:NAME``: one row per transition.
 
-    Columns: From, Event, To, Callbacks, and Guard when a row has one.
-    Option ``:caption:`` titles it.
+    Columns: From, Event, To, Callbacks, and Guard when a row has one;
+    the table's expected refusals follow it in a sentence.  Option
+    ``:caption:`` titles it.
     """
 
     has_content = False
@@ -292,7 +293,22 @@ class LifecycleTable(_TableDirective):
                 shown.append(guard or "—")
             body += _row(tuple(shown), code=(1, 3, 4))
         group += body
-        return [table]
+        declined = sorted(
+            (s.name, event_name(e)) for s, e in source.expected_refusals
+        )
+        if not declined:
+            return [table]
+        note = nodes.paragraph(
+            classes=["lifecycle-expected-refusals"],
+        )
+        note += nodes.Text("Expected refusals (declined, the state stays): ")
+        for i, (state, event) in enumerate(declined):
+            if i:
+                note += nodes.Text(", ")
+            note += nodes.Text(f"{state} ")
+            note += nodes.literal(event, event)
+        note += nodes.Text(".")
+        return [table, note]
 
 
 def _row(cells: tuple[str, ...], *, code: tuple[int, ...]) -> nodes.row:

@@ -39,7 +39,11 @@ Rules
   are tried in table order and the first whose guard passes applies.  An
   unguarded row shadows every later row of its pair (a validation error).
   When every guard refuses, the event is *refused*: a counted, logged
-  no-op, traced, raised in strict mode (`GuardRefused`).
+  (at INFO) no-op, traced, raised in strict mode (`GuardRefused`).  A
+  refusal the table lists in ``expected_refusals=`` is a normal outcome
+  (a guard declining, e.g. "don't evict a block in use"): counted and
+  traced the same, logged at DEBUG, never raised, not even in strict
+  mode.
 * Terminal states (``terminal=``) have no exits; a `Registry` drops a
   tracker the moment it reaches one.  "Terminal" is decided by the table,
   never by a property of the enum.  ``terminal=()`` declares a cyclic
@@ -203,6 +207,11 @@ class Table(Padded, Generic[S, E, D, T]):
             `after` callbacks.
         name: A short identifier: diagram file stem and trace label.
         title: The diagram title (default: `name`).
+        expected_refusals: Refusals that are normal outcomes, not
+            errors: ``(state, event)`` pairs, or events (every state
+            where all of the event's rows are guarded).  Each must be a
+            pair whose rows are all guarded (else it can never be
+            refused: a validation error).
 
     Raises:
         InvalidTable: listing every defect found.
@@ -212,6 +221,7 @@ class Table(Padded, Generic[S, E, D, T]):
     __slots__ = (
         "_by_key",
         "events",
+        "expected_refusals",
         "fingerprint",
         "initial",
         "name",
@@ -235,6 +245,7 @@ class Table(Padded, Generic[S, E, D, T]):
         on_enter: Mapping[S, Sequence[Callable[[T, D], object]]] | None = None,
         name: str = "lifecycle",
         title: str | None = None,
+        expected_refusals: Iterable[tuple[S, E] | E] = (),
     ) -> None:
         self.rows: tuple[Row[S, E, D, T], ...] = tuple(rows)
         self.initial: S = initial
@@ -252,7 +263,10 @@ class Table(Padded, Generic[S, E, D, T]):
         }
         self.name = name
         self.title = name if title is None else title
-        problems = self._problems()
+        expected, refusal_problems = self._expected(expected_refusals)
+        self.expected_refusals: frozenset[tuple[S, E]] = expected
+        """The (state, event) pairs whose refusal is a normal outcome."""
+        problems = (*self._problems(), *refusal_problems)
         if problems:
             raise InvalidTable(problems)
         self._by_key: dict[tuple[S, E], tuple[Row[S, E, D, T], ...]] = {}
@@ -260,6 +274,53 @@ class Table(Padded, Generic[S, E, D, T]):
             key = (r.source, r.event)
             self._by_key[key] = (*self._by_key.get(key, ()), r)
         self.fingerprint: str = self._fingerprint()
+
+    def _expected(
+        self, given: Iterable[tuple[S, E] | E]
+    ) -> tuple[frozenset[tuple[S, E]], list[TableProblem]]:
+        """`expected_refusals` as pairs, and what is wrong with them."""
+        pairs: dict[tuple[S, E], tuple[Row[S, E, D, T], ...]] = {}
+        for r in self.rows:
+            key = (r.source, r.event)
+            pairs[key] = (*pairs.get(key, ()), r)
+
+        def refusable(key: tuple[S, E]) -> bool:
+            rows = pairs.get(key, ())
+            return bool(rows) and all(r.guard is not None for r in rows)
+
+        expected: set[tuple[S, E]] = set()
+        problems = []
+        for item in given:
+            if isinstance(item, tuple):
+                if refusable(item):
+                    expected.add(item)
+                    continue
+                state, event = item
+                what = f"({_spell(state, str)}, {_spell(event, event_name)})"
+                why = (
+                    "has an unguarded row: it is never refused"
+                    if item in pairs
+                    else "has no row"
+                )
+            else:
+                found = {k for k in pairs if k[1] is item and refusable(k)}
+                if found:
+                    expected |= found
+                    continue
+                what = f"`{_spell(item, event_name)}`"
+                why = "has no state where all its rows are guarded"
+            problems.append(
+                TableProblem(
+                    "bad-expected-refusal",
+                    f"expected refusal {what} {why}",
+                    pairs.get(item, ()) if isinstance(item, tuple) else (),
+                )
+            )
+        return frozenset(expected), problems
+
+    def is_expected_refusal(self, state: S, event: E) -> bool:
+        """Whether every guard refusing `event` in `state` is normal."""
+        return (state, event) in self.expected_refusals
 
     def __repr__(self) -> str:
         return (
@@ -336,6 +397,7 @@ class Table(Padded, Generic[S, E, D, T]):
             events=self.events,
             name=self.name,
             title=self.title,
+            expected_refusals=self.expected_refusals,
         )
 
     def state_named(self, name: str) -> S:
@@ -373,6 +435,10 @@ class Table(Padded, Generic[S, E, D, T]):
                 for r in self.rows
             ],
         }
+        if self.expected_refusals:  # absent: fingerprints stay as they were
+            data["expected_refusals"] = sorted(
+                [s.name, event_name(e)] for s, e in self.expected_refusals
+            )
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -601,6 +667,13 @@ def _callback_problem(callback: object) -> str:
     except ValueError:  # no signature to inspect (some builtins): trust it
         return ""
     return ""
+
+
+def _spell(item: object, spell: Callable[[Any], str]) -> str:
+    """An enum member's name (`spell` str) or spelling, else its repr."""
+    if isinstance(item, enum.Enum):
+        return item.name if spell is str else spell(item)
+    return repr(item)
 
 
 def _by_name(state: enum.Enum) -> str:

@@ -7,8 +7,9 @@ Everything is derived from a `Table` and a tracker factory:
   every state (XState's ``getShortestPaths`` idea);
 * `check_case` - asserts one (state, event) pair end to end on a fresh
   machine: a legal event reaches its target; an illegal one leaves the
-  tracker unchanged, bumps the (state, event) counter and logs one record;
-  strict mode raises `IllegalTransition`;
+  tracker unchanged, bumps the (state, event) counter once and reaches
+  the reject observers once (never the log: ``logging.disable()`` cannot
+  change the result); strict mode raises `IllegalTransition`;
 * `check_row` - drives a tracker to a guarded row's source, runs the
   author's set-up for it and asserts that exactly that row applies; a row
   no set-up can reach fails, naming the row;
@@ -16,8 +17,9 @@ Everything is derived from a `Table` and a tracker factory:
   against the table, edge for edge;
 * `fire_stock`, `stock_trigger`, `stock_graph` - transitions' own stock
   trigger path of a machine: the oracle the fast path is checked against;
-* `pytest_cases` and `event_sequences` - pytest parameters and a
-  hypothesis strategy (pytest and hypothesis are imported lazily);
+* `pytest_cases`, `event_sequences` and `event_data_sequences` - pytest
+  parameters and hypothesis strategies (pytest and hypothesis are
+  imported lazily);
 * `table_tests` - all of the above as one pytest test class.
 
 The whole generated suite for your table, in a test module::
@@ -42,15 +44,14 @@ the event's data::
 from __future__ import annotations
 
 import enum
-import logging
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import attrs
 
 from lifecycle.errors import IllegalTransition
-from lifecycle.machine import LifecycleMachine
+from lifecycle.machine import ILLEGAL, LifecycleMachine
 from lifecycle.registry import Registry
 from lifecycle.table import Row, Table, event_name
 from lifecycle.tracker import Tracker
@@ -94,11 +95,17 @@ def fire_stock(
 
 def stock_trigger(
     machine: LifecycleMachine[S, E, Any, Any], event: E
-) -> Callable[[Any], bool]:
-    """transitions' own trigger for `event`, unlocked (benchmarks)."""
+) -> Callable[..., bool]:
+    """transitions' own trigger for `event`, unlocked (benchmarks).
+
+    ``stock(tracker)``, or ``stock(tracker, data)`` for events whose
+    guards choose the alternative by the event's data.
+    """
     trigger = machine._tx.events[event_name(event)].trigger  # noqa: SLF001
 
-    def stock(tracker: Any) -> bool:
+    def stock(tracker: Any, *data: object) -> bool:
+        if data:
+            return bool(trigger(tracker, data=data[0]))
         return bool(trigger(tracker))
 
     return stock
@@ -184,21 +191,58 @@ def shortest_paths(table: Table[S, E, Any, Any]) -> dict[S, tuple[E, ...]]:
     }
 
 
+def _alternatives(
+    table: Table[Any, Any, Any], row: Row[Any, Any, Any, Any]
+) -> bool:
+    """Whether `row` shares its (source, event) with other rows."""
+    return len(table.rows_for(row.source, row.event)) > 1
+
+
 def _setup_for(
     setups: SetUps | None, row: Row[Any, Any, Any, Any]
 ) -> SetUp | None:
+    """The set-up `row` is fired with, None for none.
+
+    A guarded row takes the set-up given for it or for its source state;
+    the unguarded last alternative of guarded rows only one given for the
+    row itself (a state's set-up makes some guard pass, the opposite of
+    what that row needs).
+    """
     if not setups:
         return None
     found = setups.get(row)
-    return setups.get(row.source) if found is None else found
+    if found is not None or row.guard is None:
+        return found
+    return setups.get(row.source)
 
 
-def _unreached(row: Row[Any, Any, Any, Any], tracker: Any, why: str) -> str:
+def _unreached(
+    row: Row[Any, Any, Any, Any], tracker: Any, why: str, *, hint: bool = True
+) -> str:
+    kind = (
+        "guarded row"
+        if row.guard is not None
+        else "the unguarded last alternative"
+    )
+    where = (
+        f"<row or {row.source.name}>"
+        if row.guard is not None
+        else "<this row>"
+    )
+    need = (
+        "makes its guard pass"
+        if row.guard is not None
+        else "makes every earlier alternative's guard refuse"
+    )
+    text = (
+        f"{kind} `{row}` was not reached ({why}; tracker: "
+        f"{attrs.asdict(tracker, recurse=False)})"
+    )
+    if not hint:
+        return text
     return (
-        f"guarded row `{row}` was not reached ({why}; tracker: "
-        f"{attrs.asdict(tracker, recurse=False)}): supply a set-up that "
-        f"makes its guard pass, table_tests(..., setups={{<row or "
-        f"{row.source.name}>: fn(tracker, row) -> data}})"
+        f"{text}: supply a set-up that {need}, table_tests(..., "
+        f"setups={{{where}: fn(tracker, row) -> data}})"
     )
 
 
@@ -207,21 +251,29 @@ def _fire_row(
     tracker: Any,
     row: Row[Any, Any, Any, Any],
     setups: SetUps | None,
+    *,
+    hint: bool = True,
 ) -> None:
-    """Fire `row`'s event so that `row` applies, or fail naming it."""
-    setup = _setup_for(setups, row) if row.guard is not None else None
+    """Fire `row`'s event so that `row` applies, or fail naming it.
+
+    `hint` adds how to fix it with ``setups=`` (off where the caller
+    chooses the data itself, e.g. the reachability test's routes).
+    """
+    table = machine.table
+    chosen = row.guard is not None or _alternatives(table, row)
+    setup = _setup_for(setups, row) if chosen else None
     data = setup(tracker, row) if setup is not None else None
-    index = next(i for i, r in enumerate(machine.table.rows) if r is row)
+    index = next(i for i, r in enumerate(table.rows) if r is row)
     before = machine.row_counts()[index]
     if not machine.fire(tracker, row.event, data=data):
         raise AssertionError(
-            _unreached(row, tracker, "the event was refused")
-            if row.guard is not None
+            _unreached(row, tracker, "the event was refused", hint=hint)
+            if chosen
             else f"row `{row}` was refused for {tracker.req_id}"
         )
     if machine.row_counts()[index] != before + 1:
         raise AssertionError(
-            _unreached(row, tracker, "another alternative applied")
+            _unreached(row, tracker, "another alternative applied", hint=hint)
         )
 
 
@@ -232,17 +284,19 @@ def tracker_in(
     *,
     req_id: Any = "req-under-test",
     setups: SetUps | None = None,
+    hint: bool = True,
 ) -> T:
     """A fresh tracker from `factory` driven to `state` by its shortest path.
 
-    Guarded rows on the path run their set-up from `setups` first.
+    Rows on the path that have alternatives run their set-up from
+    `setups` first (`hint`: failures say how to fix them with set-ups).
 
     Raises:
         AssertionError: a row on the path did not apply (naming it).
     """
     tracker = factory(req_id)
     for row in shortest_row_paths(machine.table)[state]:
-        _fire_row(machine, tracker, row, setups)
+        _fire_row(machine, tracker, row, setups, hint=hint)
     return tracker
 
 
@@ -273,15 +327,6 @@ def check_row(
         raise AssertionError(msg)
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def check_case(
     case: Case[S, E],
     table: Table[S, E, Any, Any],
@@ -303,48 +348,35 @@ def check_case(
         for row in rows:
             check_row(row, table, factory, setups, key=key)
         return
-    logger = logging.getLogger(f"lifecycle.testing.{table.name}.{case.id}")
-    logger.propagate = False
-    logger.setLevel(logging.DEBUG)
-    handler = _Records()
-    logger.addHandler(handler)
-    try:
-        machine: LifecycleMachine[S, E, Any, Any] = LifecycleMachine(
-            table, logger=logger
-        )
-        tracker = tracker_in(
-            case.state, machine, factory, setups=setups, req_id=key
-        )
-        handler.records.clear()
-        before = attrs.asdict(tracker, recurse=False)
-        applied = machine.fire(tracker, case.event)
-        if case.expected is not None:
-            _expect(applied, case, "legal event was refused")
-            _expect(tracker.state is case.expected, case, "wrong target")
-            _expect(not machine.illegal_counts, case, "counted illegal")
-        else:
-            _expect(not applied, case, "illegal event applied")
-            after = attrs.asdict(tracker, recurse=False)
-            _expect(before == after, case, "tracker changed")
-            _expect(
-                machine.illegal_counts[(case.state, case.event)] == 1,
-                case,
-                "illegal counter not incremented",
-            )
-            fields = [getattr(r, "lifecycle", None) for r in handler.records]
-            _expect(
-                len(fields) == 1
-                and fields[0] is not None
-                and fields[0]["req_id"] == tracker.req_id
-                and fields[0]["state"] == case.state.name
-                and fields[0]["event"] == event_name(case.event)
-                and fields[0]["epoch"] == tracker.epoch,
-                case,
-                f"expected one structured log record, got {fields}",
-            )
-            _check_strict(case, table, factory, setups, key)
-    finally:
-        logger.removeHandler(handler)
+    machine: LifecycleMachine[S, E, Any, Any] = LifecycleMachine(table)
+    tracker = tracker_in(
+        case.state, machine, factory, setups=setups, req_id=key
+    )
+    seen: list[tuple[Any, ...]] = []
+    machine.add_reject_observer(lambda *rejected: seen.append(rejected))
+    before = attrs.asdict(tracker, recurse=False)
+    applied = machine.fire(tracker, case.event)
+    if case.expected is not None:
+        _expect(applied, case, "legal event was refused")
+        _expect(tracker.state is case.expected, case, "wrong target")
+        _expect(not machine.illegal_counts, case, "counted illegal")
+        return
+    _expect(not applied, case, "illegal event applied")
+    after = attrs.asdict(tracker, recurse=False)
+    _expect(before == after, case, "tracker changed")
+    _expect(
+        machine.illegal_counts[(case.state, case.event)] == 1
+        and sum(machine.illegal_counts.values()) == 1,
+        case,
+        f"illegal count not 1: {dict(machine.illegal_counts)}",
+    )
+    expected = (tracker.req_id, tracker.epoch, case.state, case.event)
+    _expect(
+        [r[:4] + r[5:] for r in seen] == [(*expected, ILLEGAL)],
+        case,
+        f"expected one illegal rejection {expected}, observed {seen}",
+    )
+    _check_strict(case, table, factory, setups, key)
 
 
 def _check_strict(
@@ -424,6 +456,18 @@ def event_sequences(
     return st.lists(st.sampled_from(list(table.events)), max_size=max_size)
 
 
+def event_data_sequences(
+    table: Table[Any, Any], data: Sequence[object], max_size: int = 40
+) -> Any:
+    """A hypothesis strategy of (event, data) lists, data from `data`."""
+    from hypothesis import strategies as st
+
+    return st.lists(
+        st.tuples(st.sampled_from(list(table.events)), st.sampled_from(data)),
+        max_size=max_size,
+    )
+
+
 def _route(_tracker: object, row: Row[Any, Any, Any, Any]) -> object:
     """The set-up of a structural table's guarded row: its destination."""
     return row.dest
@@ -436,6 +480,7 @@ def table_tests(  # noqa: C901 - one class of small tests
     examples: int = 200,
     setups: SetUps | None = None,
     key: Any = "req-under-test",
+    data: Sequence[object] = (None,),
 ) -> type:
     """A pytest test class holding the generated tests of `table`.
 
@@ -453,7 +498,10 @@ def table_tests(  # noqa: C901 - one class of small tests
 
     `setups` makes guarded rows reachable (see the module docstring);
     `key` is the tracker key the tests use (a str; pass another for
-    trackers keyed otherwise, e.g. ``key=1``).
+    trackers keyed otherwise, e.g. ``key=1``); `data` are the values the
+    differential test fires events with (default: None only), so that
+    alternatives chosen by the event's data are compared with the stock
+    trigger too, e.g. ``data=(None, "gpu", "cpu")``.
 
     Raises:
         TypeError: `factory` does not build trackers of `table` (checked
@@ -464,7 +512,9 @@ def table_tests(  # noqa: C901 - one class of small tests
 
     Registry(LifecycleMachine(table), factory).get_or_create(key)
     structure = table.without_callbacks()
-    routes = {r: _route for r in structure.rows if r.guard is not None}
+    # Every alternative routes by its destination, the unguarded last one
+    # too: its data must make the earlier (routed) guards refuse.
+    routes = {r: _route for r in structure.rows if _alternatives(structure, r)}
     guarded = [r for r in table.rows if r.guard is not None]
 
     class GeneratedTableTests:
@@ -499,7 +549,12 @@ def table_tests(  # noqa: C901 - one class of small tests
             assert set(shortest_paths(table)) == set(table.states)
             for state in table.states:
                 tracker = tracker_in(
-                    state, machine, factory, setups=routes, req_id=key
+                    state,
+                    machine,
+                    factory,
+                    setups=routes,
+                    req_id=key,
+                    hint=False,
                 )
                 assert tracker.state is state
 
@@ -526,17 +581,17 @@ def table_tests(  # noqa: C901 - one class of small tests
                 assert key not in registry
 
         @settings(max_examples=examples, deadline=None)
-        @given(events=event_sequences(table))
+        @given(events=event_data_sequences(table, tuple(data)))
         def test_fast_path_matches_stock_transitions(
-            self, events: list[Any]
+            self, events: list[tuple[Any, object]]
         ) -> None:
             machine: LifecycleMachine[Any, Any, Any, Any] = LifecycleMachine(
                 table
             )
             fast, stock = factory(key), factory(key)
-            for event in events:
-                assert machine.fire(fast, event) == fire_stock(
-                    machine, stock, event
+            for event, value in events:
+                assert machine.fire(fast, event, data=value) == fire_stock(
+                    machine, stock, event, value
                 )
                 assert attrs.asdict(fast) == attrs.asdict(stock)
 

@@ -177,6 +177,11 @@ def test_api_reference_documents_the_public_names(site) -> None:
         "LifecycleMachine",
         "Registry",
         "Table",
+        "Outcome",
+        "fire_outcome",
+        "atomic",
+        "expected_refusals",
+        "retire_at",
         "MooncakeLifecycleConnector",
         "StoreConfig",
         "parse_size",
@@ -269,3 +274,28 @@ def test_an_undocumented_field_fails_the_build(tmp_path) -> None:
     done = _sphinx(src, tmp_path / "out")
     assert done.returncode != 0
     assert "mycfg:Config.forgotten has no documentation" in done.stderr
+
+
+def test_define_your_own_shows_the_spill_pool_example(site) -> None:
+    from examples.spill_pool import CHUNKS, READS  # noqa: PLC0415
+
+    page = (site / "define-your-own.html").read_text(encoding="utf-8")
+    svgs = re.findall(r"<svg\b.*?</svg>", page, re.DOTALL)
+    for table in (CHUNKS, READS):
+        (svg,) = [s for s in svgs if table.title in s]
+        for state in table.states:
+            assert f"<title>{state.name}</title>" in svg
+    text = " ".join(_text(page).split())
+    assert "spill (declined)" in text  # the expected refusal, drawn
+    assert "Expected refusals (declined, the state stays): RAM drop" in text
+    # The example's code is on the page, from the file the tests run.
+    assert "class SpillPool" in text
+    assert "with atomic(*self.machines):" in text
+    # Point 8: the set-up signature, pinned(), key= and data=, INFO.
+    assert "def pinned(readers: int)" in text
+    assert "def setup(tracker: YourTracker, row: Row[S, E, D])" in text
+    assert "key=7" in text
+    assert "data=" in text
+    assert "at INFO" in text
+    assert "retire_at" in text
+    assert "thread_safe=False" in text

@@ -4,12 +4,14 @@ import-linter (pinned in requirements/base.txt) reads
 `[tool.importlinter]`: `lifecycle` imports none of torch, vLLM, Mooncake
 or `connector`; the connector's roles keep apart (only
 `connector.integration` imports vLLM; `connector.scheduler` and
-`connector.worker` never import each other; `connector.store` imports
-neither side, the glue nor `connector.ops`; `connector.ops` imports
-neither side; the shared modules import no role); the runtime packages
-import no tests, demo, benchmarks, e2e or harness code.  `make imports`
-(part of `make test`) runs the same command.  Each contract is broken on
-purpose below, in a copy of the packages.
+`connector.worker` never import each other; the worker's modules
+import one way: side > shards > lanes > transfer > deadline > pieces;
+`connector.store` imports neither side, the glue nor `connector.ops`;
+`connector.ops` imports neither side; the shared modules import no
+role); the runtime packages import no tests, demo, benchmarks, e2e or
+harness code.  `make imports` (part of `make test`) runs the same
+command.  Each contract is broken on purpose below, in a copy of the
+packages.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ CONTRACTS = (
     "lifecycle is generic: no torch, vLLM, Mooncake or connector",
     "only the vLLM glue (connector.integration) imports vLLM",
     "the scheduler side and the worker side never import each other",
+    "the worker side's modules import one way",
     "the store imports neither side, the glue nor tooling",
     "operator tooling imports neither side",
     "shared connector modules import no role",
@@ -39,6 +42,7 @@ CONTRACTS = (
     GENERIC,
     VLLM_GLUE,
     SIDES_APART,
+    WORKER_ONE_WAY,
     STORE_BELOW,
     OPS_APART,
     SHARED_BELOW,
@@ -103,6 +107,23 @@ BREACHES = [
         "connector/worker/transfer.py",
         "from connector.scheduler import failed_keys",
         SIDES_APART,
+    ),
+    # The circle the worker had: a transfer reaching up to head shards,
+    # deadlines up to transfers, lanes up to shards.
+    (
+        "connector/worker/transfer.py",
+        "from connector.worker.shards import head_pieces",
+        WORKER_ONE_WAY,
+    ),
+    (
+        "connector/worker/deadline.py",
+        "from connector.worker.transfer import Staged",
+        WORKER_ONE_WAY,
+    ),
+    (
+        "connector/worker/lanes.py",
+        "import connector.worker.shards",
+        WORKER_ONE_WAY,
     ),
     ("connector/store/keys.py", "import connector.scheduler", STORE_BELOW),
     (

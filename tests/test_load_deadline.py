@@ -214,7 +214,8 @@ def test_deadline_is_claimed_by_exactly_one_side():
 def test_every_staging_buffer_held_by_late_gets_sheds_loads(store_client):
     """At most `max_buffers` late gets hold memory; then loads fail at once."""
     from connector.store import Regions  # noqa: PLC0415
-    from connector.worker.transfer import HostOps, block_pieces  # noqa: PLC0415
+    from connector.worker.pieces import block_pieces  # noqa: PLC0415
+    from connector.worker.transfer import HostOps  # noqa: PLC0415
 
     kv = kv_caches()
     registered = []
@@ -270,7 +271,8 @@ def test_staged_blocks_land_byte_exact_in_their_targets(
     into other ids of another, in order, every byte where it belongs and
     nothing else touched; both ways of copying in."""
     from connector.store import Regions  # noqa: PLC0415
-    from connector.worker.transfer import HostOps, block_pieces  # noqa: PLC0415
+    from connector.worker.pieces import block_pieces  # noqa: PLC0415
+    from connector.worker.transfer import HostOps  # noqa: PLC0415
 
     source, target = kv_caches(seed=1), kv_caches(seed=2)
     before = {name: t.clone() for name, t in target.items()}

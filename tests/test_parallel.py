@@ -10,8 +10,7 @@ import torch
 from connector.errors import ConfigError
 from connector.parallel import TPPlan
 from connector.store.keys import KeyLayout, KeyScheme
-from connector.worker.shards import HeadSlice, head_pieces
-from connector.worker.transfer import block_pieces
+from connector.worker.pieces import HeadSlice, block_pieces, head_pieces
 
 LAYOUT = KeyLayout("bfloat16", 32, 8192, "2layers")
 

@@ -1,4 +1,10 @@
-"""The README's Python examples run as written."""
+"""The README (a front page) and the docs pages its content moved to.
+
+The README keeps the two set-up commands at the top, one example of each
+part and links; the examples and references it used to hold live in
+``docs/guide-lifecycle.md`` and ``docs/connector.md``, and run as written
+there.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +19,41 @@ from lifecycle.kv import TABLE
 from lifecycle.render import to_markdown
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = README.parent / "docs"
+LIBRARY = DOCS / "guide-lifecycle.md"
+CONNECTOR = DOCS / "connector.md"
 
 
-def _blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+def _blocks(page: Path = README) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL)
+
+
+def test_readme_is_a_front_page() -> None:
+    text = README.read_text()
+    lines = text.splitlines()
+    # The two set-up commands first, exactly.
+    assert lines[:5] == [
+        "# kv-lifecycle",
+        "",
+        "```bash",
+        "make demo   # bootstraps apt packages + .venv, then runs the demo",
+        (
+            "make test   # bootstraps, then ruff, mypy --strict, diagram "
+            "freshness and the whole suite"
+        ),
+    ]
+    assert lines[5] == "```"
+    assert len(lines) < 120
+    # Every link to a file points at one that exists.
+    links = re.findall(r"\]\(([^)#]+)\)", text)
+    assert len(links) >= 8
+    for link in links:
+        assert (README.parent / link).exists(), link
+    for page in ("guide-lifecycle", "connector", "demo", "performance"):
+        assert f"(docs/{page}.md)" in text
+    assert "setups=" in text
+    assert "key=" in text
+    assert "editable_mode=compat" in text
 
 
 def test_lifecycle_example_runs() -> None:
@@ -32,12 +69,21 @@ def test_lifecycle_example_runs() -> None:
     assert namespace["tracker"].state.name == "FINISHED"
 
 
-def test_readme_table_matches_the_generated_one() -> None:
-    assert to_markdown(TABLE) in README.read_text()
+def test_library_page_table_matches_the_generated_one() -> None:
+    assert to_markdown(TABLE) in LIBRARY.read_text()
 
 
-def _section(title: str) -> str:
-    text = README.read_text()
+def test_library_page_documents_the_generated_tests_options() -> None:
+    section = _section("Generated tests for your connector", LIBRARY)
+    for needle in ("setups=", "key=", "data=", "(tracker, row) -> data"):
+        assert needle in section, needle
+    assert "at INFO" in _section(
+        "Illegal orderings, strict mode and stale completions", LIBRARY
+    )
+
+
+def _section(title: str, page: Path = CONNECTOR) -> str:
+    text = page.read_text()
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start : end if end > 0 else len(text)]
@@ -58,12 +104,12 @@ def test_trace_example_runs_and_prints_what_the_readme_shows(
 ) -> None:
     from lifecycle.trace import replay_file  # noqa: PLC0415
 
-    (block,) = [b for b in _blocks() if "TraceWriter.open" in b]
+    (block,) = [b for b in _blocks(LIBRARY) if "TraceWriter.open" in b]
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {}
-    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(block, str(LIBRARY), "exec"), namespace)  # noqa: S102
     shown = re.search(
-        r"```\n(\d+ events.*?)```", README.read_text(), re.DOTALL
+        r"```\n(\d+ events.*?)```", LIBRARY.read_text(), re.DOTALL
     )
     assert shown is not None
     assert replay_file(tmp_path / "trace.jsonl").render() == shown.group(1)
@@ -121,8 +167,9 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
 
 
 def test_configuration_reference_is_generated_from_the_fields() -> None:
-    """The README table is ``readme_table()`` of docs/_ext/configref.py:
-    edit the fields, then paste ``python docs/_ext/configref.py``."""
+    """The connector page's table is ``readme_table()`` of
+    docs/_ext/configref.py: edit the fields, then paste
+    ``python docs/_ext/configref.py``."""
     sys.path.insert(0, str(README.parent / "docs" / "_ext"))
     from configref import readme_table  # noqa: PLC0415
 
@@ -158,13 +205,13 @@ def test_metrics_table_names_the_exported_metrics() -> None:
 
 
 def _own_lifecycle_block() -> str:
-    (block,) = [b for b in _blocks() if "class PTracker" in b]
+    (block,) = [b for b in _blocks(LIBRARY) if "class PTracker" in b]
     return block
 
 
 def test_define_your_own_lifecycle_example_runs() -> None:
     namespace: dict[str, object] = {"__name__": "readme_example"}
-    exec(compile(_own_lifecycle_block(), "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(_own_lifecycle_block(), str(LIBRARY), "exec"), namespace)  # noqa: S102
     assert namespace["tracker"].state.name == "DONE"
     assert '"SENDING" -> "DONE"' in namespace["dot"]
 

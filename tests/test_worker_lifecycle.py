@@ -6,6 +6,10 @@ hooks (`handle_preemptions`, `start_load_kv`, forward, `wait_for_save`,
 `get_finished`, `get_block_ids_with_load_errors`, report).  A `Gate`
 wrapped around the real store holds a transfer in flight so an ordering
 can be forced; the bytes still go through the real master.
+
+`make()` without `kv` hands the worker seeded KV tensors and drops them,
+as a caller may: the worker holds them.  Saves are read back and compared
+with the source values (`kv_caches()` again), never only checked to exist.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from tests.worker_helpers import (
     Gate,
     JobMaker,
     assert_same_blocks,
+    assert_stored,
     make_worker,
     settle,
     step,
@@ -62,6 +67,14 @@ def kv_caches(layout="blocks_first", dtype=torch.float32, seed=0):
 
 def assert_blocks_equal(kv_a, a_ids, kv_b, b_ids):
     assert_same_blocks(kv_a, a_ids, kv_b, b_ids, NUM_BLOCKS)
+
+
+def assert_saved(client, w, jobs, kv=None):
+    """Each save job's keys hold its blocks' bytes of `kv` (seeded)."""
+    source = kv_caches() if kv is None else kv
+    for j in jobs:
+        keys = w._keys.keys(j.block_hashes)
+        assert_stored(client, keys, source, j.block_ids, NUM_BLOCKS)
 
 
 @pytest.fixture
@@ -117,6 +130,7 @@ class TestWorkerLifecycle:
         assert tracker.pending_jobs == set()
         keys = w._keys.keys([*old.block_hashes, *new.block_hashes])
         assert store_client.exists(keys).hit_prefix == 4  # both wrote
+        assert_saved(store_client, w, [old, new])
         assert dict(w.machine.illegal_counts) == {}
 
     def test_a_job_keeps_the_generation_of_its_step(
@@ -142,6 +156,11 @@ class TestWorkerLifecycle:
         assert exists(moved.keys(old.block_hashes)).hit_prefix == 0
         assert exists(moved.keys(new.block_hashes)).hit_prefix == 2
         assert exists(base.keys(new.block_hashes)).hit_prefix == 0
+        assert_saved(store_client, w, [first, old])
+        moved_keys = moved.keys(new.block_hashes)
+        assert_stored(
+            store_client, moved_keys, kv_caches(), [2, 3], NUM_BLOCKS
+        )
 
     def test_load_failure_is_reported_exactly_once(self, make, job):
         """Partial miss: one receive completion, the missing blocks once."""
@@ -231,7 +250,9 @@ class TestWorkerLifecycle:
             w.registry.get(f"r{i}").state is State.RESET for i in range(1, 8)
         )
 
-    def test_shutdown_reports_every_job_once_ran_or_cancelled(self, make, job):
+    def test_shutdown_reports_every_job_once_ran_or_cancelled(
+        self, make, job, store_client
+    ):
         """Queued saves either ran or were cancelled: one result each."""
         w = make()
         saves = tuple(
@@ -247,6 +268,8 @@ class TestWorkerLifecycle:
         assert ran == w.jobs_done[SAVE]
         assert 12 - ran == w.jobs_cancelled
         assert w.verdicts[Verdict.CANCELLED] == w.jobs_cancelled
+        done = {r.job_id for r in results if r.ok}
+        assert_saved(store_client, w, [s for s in saves if s.job_id in done])
 
     def test_no_tracker_left_after_finish(self, make, job):
         """Loads, saves, a preemption, then finish: the registry is empty."""
@@ -285,27 +308,29 @@ class TestWorkerLifecycle:
         assert_blocks_equal(kv, [0, 1], kv, [2, 3])
 
     def test_job_from_a_later_epoch_catches_up_through_the_table(
-        self, make, job
+        self, make, job, store_client
     ):
         """A worker that never saw the preemptions replays them."""
         w = make()
-        step(
-            w, ConnectorMeta(step=1, jobs=(job(1, SAVE, "r", 2, [1], ["e"]),))
-        )
+        save = job(1, SAVE, "r", 2, [1], ["e"])
+        step(w, ConnectorMeta(step=1, jobs=(save,)))
         tracker = w.registry.get("r")
         assert tracker is not None
         assert (tracker.state, tracker.epoch) == (State.SAVING, 2)
         assert [JobResult(1, ok=1)] == settle(w, 1)[1]
+        assert_saved(store_client, w, [save])
         assert sum(w.machine.stale_counts.values()) == 0
         assert dict(w.machine.illegal_counts) == {}
 
-    def test_metadata_seen_by_several_hooks_applies_once(self, make, job):
+    def test_metadata_seen_by_several_hooks_applies_once(
+        self, make, job, store_client
+    ):
         """handle_preemptions, start_load_kv and wait_for_save share a meta."""
         w = make()
-        step(
-            w, ConnectorMeta(step=1, jobs=(job(1, SAVE, "r", 0, [1], ["o"]),))
-        )
+        save = job(1, SAVE, "r", 0, [1], ["o"])
+        step(w, ConnectorMeta(step=1, jobs=(save,)))
         settle(w, 1)
+        assert_saved(store_client, w, [save])
         meta = ConnectorMeta(step=2, preempted=(("r", 1),))
         for _ in range(3):
             step(w, meta)

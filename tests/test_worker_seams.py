@@ -5,6 +5,12 @@ hooks) and the load and save loops (completions).  The rule: the
 registry and its trackers are read and changed only under the side's
 lock.  A registry that checks the lock on every call, over a real master
 and real transfer threads, shows it holds.
+
+`make()` hands the worker KV tensors and drops them at once, as a caller
+may: the worker must hold them while its transfers can touch them.  Every
+save is read back and compared with the source values (`kv_caches()` is
+seeded), so a save or load through freed memory fails here (and, under
+`scripts/malloc_check.py`, crashes loudly).
 """
 
 from __future__ import annotations
@@ -16,7 +22,13 @@ import torch
 
 from connector.metadata import ConnectorMeta, JobKind
 from connector.worker.side import daemon_thread
-from tests.worker_helpers import JobMaker, make_worker, settle, step
+from tests.worker_helpers import (
+    JobMaker,
+    assert_stored,
+    make_worker,
+    settle,
+    step,
+)
 
 pytestmark = pytest.mark.mooncake
 
@@ -79,19 +91,27 @@ def make(store_client, unique, workers):
     return _make
 
 
-def test_registry_is_only_touched_under_the_lock(make, unique):
+def test_registry_is_only_touched_under_the_lock(make, unique, store_client):
     job = JobMaker(unique)
     w = make()
     checked = w.registry = LockChecked(w.registry, w._lock)
 
-    step(w, ConnectorMeta(step=1, jobs=(job(1, SAVE, "a", 0, [0, 1], "xy"),)))
+    source = kv_caches()  # the values `make` handed over (seeded)
+    save = job(1, SAVE, "a", 0, [0, 1], "xy")
+    step(w, ConnectorMeta(step=1, jobs=(save,)))
     settle(w, 1)
+    assert_stored(store_client, w._keys.keys(save.block_hashes), source,
+                  [0, 1], NUM_BLOCKS)  # fmt: skip
     step(w, ConnectorMeta(step=2, jobs=(job(2, LOAD, "b", 0, [2, 3], "xy"),)))
     assert settle(w, 1)[0] == [{"b"}]
-    step(w, ConnectorMeta(step=3, jobs=(job(3, SAVE, "c", 0, [4], "z"),)))
+    # Blocks 2 and 3 now hold what blocks 0 and 1 held: save them again.
+    again = job(3, SAVE, "c", 0, [2, 3], "zw")
+    step(w, ConnectorMeta(step=3, jobs=(again,)))
     step(w, ConnectorMeta(step=4, preempted=(("c", 1),)))
     settle(w, 1)
     assert w.open_jobs == 0
+    assert_stored(store_client, w._keys.keys(again.block_hashes), source,
+                  [0, 1], NUM_BLOCKS)  # fmt: skip
     step(w, ConnectorMeta(step=5, finished=frozenset({"a", "b", "c"})))
 
     assert checked.calls > 10  # hooks and both transfer threads
@@ -99,7 +119,9 @@ def test_registry_is_only_touched_under_the_lock(make, unique):
     assert dict(w.machine.illegal_counts) == {}
 
 
-def test_job_loops_start_through_the_injected_spawn(make, unique):
+def test_job_loops_start_through_the_injected_spawn(
+    make, unique, store_client
+):
     job = JobMaker(unique)
     started = []
 
@@ -109,13 +131,16 @@ def test_job_loops_start_through_the_injected_spawn(make, unique):
 
     w = make(spawn=spawn)
     assert sorted(started) == ["kv-lifecycle-load", "kv-lifecycle-save"]
-    step(w, ConnectorMeta(step=1, jobs=(job(1, SAVE, "a", 0, [0], "q"),)))
+    save = job(1, SAVE, "a", 0, [5], "q")
+    step(w, ConnectorMeta(step=1, jobs=(save,)))
     _, results, _ = settle(w, 1)
     assert [r.ok for r in results] == [1]
+    assert_stored(store_client, w._keys.keys(save.block_hashes), kv_caches(),
+                  [5], NUM_BLOCKS)  # fmt: skip
     assert w.shutdown(timeout=10)
 
 
-def test_loops_run_only_where_the_spawn_runs_them(make, unique):
+def test_loops_run_only_where_the_spawn_runs_them(make, unique, store_client):
     """A spawn that holds the loops back: jobs wait, then run."""
     job = JobMaker(unique)
     loops = {}
@@ -135,9 +160,12 @@ def test_loops_run_only_where_the_spawn_runs_them(make, unique):
         return loops[name]
 
     w = make(spawn=spawn)
-    step(w, ConnectorMeta(step=1, jobs=(job(1, SAVE, "a", 0, [0], "r"),)))
+    save = job(1, SAVE, "a", 0, [7], "r")
+    step(w, ConnectorMeta(step=1, jobs=(save,)))
     assert settle(w, 1, timeout=0.2)[1] == []  # no loop runs it yet
     for loop in loops.values():
         loop.thread.start()
     _, results, _ = settle(w, 1)
     assert [r.ok for r in results] == [1]
+    assert_stored(store_client, w._keys.keys(save.block_hashes), kv_caches(),
+                  [7], NUM_BLOCKS)  # fmt: skip

@@ -91,10 +91,11 @@ class Workers:
         return worker
 
     def close(self):
+        """Unregister a worker's memory only once its transfers stopped."""
         for w in self.made:
-            w.shutdown(timeout=30)
-            for ptr in w.registered:
-                self.client.unregister(ptr)
+            if w.shutdown(timeout=30):
+                for ptr in w.registered:
+                    self.client.unregister(ptr)
 
 
 def block_parts(kv, b, num_blocks):
@@ -111,6 +112,38 @@ def assert_same_blocks(kv_a, a_ids, kv_b, b_ids, num_blocks):
         )
         for x, y in parts:
             assert torch.equal(x, y), f"block {a} != block {b}"
+
+
+def block_bytes(kv, b, num_blocks):
+    """Block `b` as the store holds it: its pieces' bytes in layer order."""
+    return torch.cat(
+        [
+            p.contiguous().view(torch.uint8).reshape(-1)
+            for p in block_parts(kv, b, num_blocks)
+        ]
+    )
+
+
+def read_back(client, keys, nbytes):
+    """Get `keys` into a fresh registered buffer: (flags, rows)."""
+    rows = torch.zeros((len(keys), nbytes), dtype=torch.uint8)
+    client.register_tensor(rows)
+    try:
+        regions = Regions.blocks(rows.data_ptr(), nbytes, range(len(keys)))
+        got = client.get(list(keys), regions).succeeded
+    finally:
+        client.unregister(rows.data_ptr())
+    return got, rows
+
+
+def assert_stored(client, keys, kv, block_ids, num_blocks):
+    """Each key holds exactly block `block_ids[i]`'s bytes of `kv`."""
+    expected = [block_bytes(kv, b, num_blocks) for b in block_ids]
+    got, rows = read_back(client, keys, expected[0].numel())
+    assert got == [True] * len(keys), f"not stored: {got}"
+    for row, want, b in zip(rows, expected, block_ids, strict=True):
+        diff = int((row != want).sum())
+        assert diff == 0, f"stored block {b}: {diff} bytes differ"
 
 
 def make_worker(

@@ -101,6 +101,13 @@ if TYPE_CHECKING:
 
 log: Final = logging.getLogger(__name__)
 
+DRAIN_TIMEOUT_S: Final = 10.0
+"""How long `shutdown` and `unregister_kv_caches` wait for transfers."""
+
+_KEPT: list[Any] = []
+"""Workers whose transfers did not stop: held (with their KV memory, still
+registered) until the process exits, so no transfer touches freed memory."""
+
 
 class LifecycleConnectorMetadata(KVConnectorMetadata):
     """vLLM's scheduler -> worker envelope around a `ConnectorMeta`."""
@@ -192,6 +199,9 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             group's kind.
     """
 
+    _asleep: list[tuple[int, int]] | None = None
+    """While asleep: the (address, bytes) to register again at wake-up."""
+
     def __init__(
         self,
         vllm_config: Any,
@@ -280,6 +290,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                     failed_keys=FailedKeys(ttl_s, peers=fence),
                     groups=self._groups if hybrid else None,
                     save_decode=self._parallel.save_decode_cache,
+                    layerwise_max_blocks=self._loads.layerwise_max_blocks,
                 )
                 if _kv_events_on(vllm_config):
                     self._scheduler.jobs.events = StoreEvents(
@@ -340,7 +351,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Longest stored prefix beyond the local hit; loaded async."""
+        """Longest stored prefix beyond the local hit; loaded async?"""
         return (
             self._scheduler or self.scheduler_side
         ).get_num_new_matched_tokens(request, num_computed_tokens)
@@ -510,6 +521,62 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats.watch(self._worker.machine)
         self._stats.groups = self._worker_group_stats
 
+    def unregister_kv_caches(self) -> None:
+        """Before sleep mode frees the KV cache: drain, then unregister.
+
+        Transfers queued or running may end (bounded by
+        `DRAIN_TIMEOUT_S`); until `restore_kv_caches` no job runs (one
+        the worker takes is cancelled: its blocks are recomputed or not
+        stored).  If a transfer is still stuck in the store, the memory
+        stays registered and an ERROR says so.  Idempotent.
+        """
+        worker, client = self._worker, self._client
+        if worker is None or client is None or self._asleep is not None:
+            return
+        if not worker.suspend(DRAIN_TIMEOUT_S):
+            log.error(
+                "kv-lifecycle: a KV transfer is still running %.0f s after "
+                "sleep mode asked to unregister the KV cache; its memory "
+                "stays registered and the transfer may touch it",
+                DRAIN_TIMEOUT_S,
+            )
+            self._asleep = []
+            return
+        self._take_registered()
+        self._asleep = [(p, client.unregister(p)) for p in self._registered]
+        self._registered.clear()
+        log.info(
+            "kv-lifecycle: KV cache unregistered for sleep mode (%d regions)",
+            len(self._asleep),
+        )
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: register the KV memory again; jobs run again.
+
+        vLLM maps the KV cache back at the same addresses.  Idempotent.
+        """
+        worker, client, asleep = self._worker, self._client, self._asleep
+        if worker is None or client is None or asleep is None:
+            return
+        for ptr, nbytes in asleep:
+            if client.register(ptr, nbytes):
+                self._registered.append(ptr)
+        self._asleep = None
+        worker.resume()
+        log.info(
+            "kv-lifecycle: KV cache registered again after wake-up "
+            "(%d regions)",
+            len(asleep),
+        )
+
+    def _take_registered(self) -> None:
+        """Add what the worker registered since (load staging buffers)."""
+        if self._worker is not None:
+            more = self._worker.registered
+            self._registered.extend(
+                p for p in more if p not in self._registered
+            )
+
     def _group_layers(
         self, kv_caches: dict[str, torch.Tensor], index: int
     ) -> list[str]:
@@ -557,13 +624,15 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Queue this step's loads (all async)."""
+        """Queue this step's asynchronous loads; start its layer-wise ones."""
         del forward_context, kwargs
         if self._worker is not None:
             self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: loads are async and whole-request."""
+        """Wait for the step's layer-wise loads (bounded by their deadline)."""
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self,
@@ -646,6 +715,19 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         return self._stats.take()
 
     @classmethod
+    def requires_piecewise_for_cudagraph(
+        cls, extra_config: dict[str, Any]
+    ) -> bool:
+        """Layer-wise loads wait inside the forward: no full CUDA graphs.
+
+        Raises:
+            ConfigError: naming a bad load key.
+        """
+        return (
+            LoadConfig.from_extra_config(extra_config).layerwise_max_blocks > 0
+        )
+
+    @classmethod
     def build_kv_connector_stats(
         cls, data: dict[str, Any] | None = None
     ) -> LifecycleConnectorStats:
@@ -682,6 +764,11 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         """Drain the transfer threads (bounded) and release the client.
 
+        The KV memory is unregistered only once the transfer threads
+        stopped; if one is stuck in the store (bounded by
+        `DRAIN_TIMEOUT_S`), the worker and its KV views are kept, still
+        registered, until the process exits (a WARNING says so).
+
         Logs once what the half still held: ``kv-lifecycle <half> half
         shutting down (pid P): T live trackers, J open jobs`` (INFO when
         both are 0, else WARNING).
@@ -701,17 +788,24 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             self._trace.close()
         if self._scheduler is not None:
             self._scheduler.close()
+        stopped = True
         if self._worker is not None:
             # Load staging may have registered more buffers since.
-            more = self._worker.registered
-            self._registered.extend(
-                p for p in more if p not in self._registered
-            )
-            self._worker.shutdown()
+            self._take_registered()
+            stopped = self._worker.shutdown(DRAIN_TIMEOUT_S)
+            if not stopped:
+                _KEPT.append(self._worker)
+                log.warning(
+                    "kv-lifecycle: KV memory kept registered and held until "
+                    "the process exits: %d region(s) a stuck transfer may "
+                    "still touch",
+                    len(self._registered),
+                )
             self._worker = None
         if self._client is not None:
-            for ptr in self._registered:
-                self._client.unregister(ptr)
+            if stopped:
+                for ptr in self._registered:
+                    self._client.unregister(ptr)
             self._registered.clear()
             clients.release(self._client)
             self._client = None

@@ -152,13 +152,16 @@ class JobTable:
         finished: bool = False,
         states: Sequence[StateOffer] | None = None,
         token_ids: Sequence[int] = (),
+        layerwise: bool = False,
     ) -> TransferJob:
         """`issue` over blocks ``[first, last)`` of each group's table.
 
         One full-attention group (the common case) is cut from slices
         without building pairs; `last` is then clipped to the blocks and
         hashes there are, as `KVGroups.pairs` clips it.  `states`: the
-        recurrent states a save stores (`KVGroups.pairs`).
+        recurrent states a save stores (`KVGroups.pairs`).  `layerwise`
+        (a load of one full-attention group only): vLLM schedules the
+        request in this step (`TransferJob.layerwise`).
         """
         if not groups.one_full_group:
             pairs = groups.pairs(tables, first, last, states)
@@ -183,6 +186,7 @@ class JobTable:
             groups=(),
             pin=pin,
             finished=finished,
+            layerwise=layerwise,
         )
         if self.events is not None and kind is JobKind.SAVE:
             blocks = ((0, i) for i in range(first, last))
@@ -200,6 +204,7 @@ class JobTable:
         groups: tuple[int, ...],
         pin: bool,
         finished: bool,
+        layerwise: bool = False,
     ) -> TransferJob:
         """Record a job; `groups` is empty when every block is group 0."""
         pinned: list[Any] = []
@@ -216,6 +221,7 @@ class JobTable:
             pinned=bool(pinned),
             finished=finished,
             group_ids=groups,
+            layerwise=layerwise,
         )
         self._next += 1
         self._open[job.job_id] = OpenJob(job, pinned)

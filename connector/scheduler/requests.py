@@ -55,6 +55,9 @@ class RequestTracker(KVTracker):
             it differs from the scheduler half's: the request's KV may
             come from the old weights, so none of its blocks (prompt or
             decode) is saved again.
+        layerwise_load: The latest allocated load is layer-wise
+            (`SchedulerSide.loads_layerwise`): vLLM runs the request while
+            it is LOADING, so it may finish or be preempted then.
     """
 
     num_prompt_tokens: int = 0
@@ -64,6 +67,7 @@ class RequestTracker(KVTracker):
     load_job: int = -1
     load_failures: int = 0
     generation: str | None = None
+    layerwise_load: bool = False
 
 
 # The event data records below are built at every hook call: plain
@@ -86,6 +90,7 @@ class Allocated:
 
     tables: Sequence[Sequence[int]]
     external_tokens: int
+    layerwise: bool = False
 
 
 def set_tables(tracker: RequestTracker, tables: Any) -> None:
@@ -116,6 +121,7 @@ def take_allocation(tracker: RequestTracker, allocated: Allocated) -> None:
     """Blocks allocated for a load: the tables and the tokens loaded."""
     set_tables(tracker, allocated.tables)
     tracker.num_external_tokens = allocated.external_tokens
+    tracker.layerwise_load = allocated.layerwise
     mark_stored_prefix(tracker)
 
 

@@ -165,6 +165,12 @@ class SchedulerSide:
             (``save_decode_cache``); a consumer then saves those only.
         clock: Monotonic seconds for the lookups' deadlines and refreshes
             and the memory of recent misses (tests pass a fake).
+        layerwise_max_blocks: A store hit of at most this many blocks
+            loads layer-wise: vLLM schedules it in the step it is admitted
+            (``load_async`` False) and the forward waits for each layer's
+            KV, bounded by the load deadline.  Longer hits, and every hit
+            of a hybrid model, load asynchronously.  0: every load is
+            asynchronous (see `loads_layerwise`).
         recent: Memory of recent misses and own saves (default: a fresh
             `RecentBlocks` on `clock`).
     """
@@ -185,15 +191,24 @@ class SchedulerSide:
         save_decode: bool = False,
         clock: Callable[[], float] = time.monotonic,
         recent: RecentBlocks | None = None,
+        layerwise_max_blocks: int = 0,
     ) -> None:
         if block_size <= 0:
             msg = f"block_size must be positive, got {block_size}"
+            raise ValueError(msg)
+        if layerwise_max_blocks < 0:
+            msg = (
+                "layerwise_max_blocks must be >= 0, got "
+                f"{layerwise_max_blocks}"
+            )
             raise ValueError(msg)
         self.block_size = block_size
         self.role = role
         self.save_decode = save_decode
         self.world_size = world_size
         self.groups = groups or KVGroups.single(block_size)
+        self._layerwise_tokens = 0
+        self.layerwise_max_blocks = layerwise_max_blocks
         # The lookup thread only fills in its messages' answers.
         self.machine: RequestMachine = machine or LifecycleMachine(
             REQUESTS, thread_safe=False
@@ -300,10 +315,12 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """External tokens loadable beyond vLLM's local hit, loaded async.
+        """External tokens loadable beyond vLLM's local hit; load async?
 
         Block-aligned; a full hit leaves the last block to recompute.
         None while the store lookup runs (vLLM asks again next step).
+        The flag is False for a hit that loads layer-wise
+        (`loads_layerwise`): vLLM schedules it in this step.
         Idempotent: vLLM repeats the call every step the request waits.
         Never calls the store.
         """
@@ -314,8 +331,36 @@ class SchedulerSide:
         hit = self._hit_tokens(tracker, tracker.num_tokens)
         if hit is None:
             return None, False
-        external = max(hit - num_computed_tokens, 0)
-        return external, external > 0
+        external = hit - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        # Block-aligned: `loads_layerwise` as one comparison (a hot path).
+        return external, external > self._layerwise_tokens
+
+    @property
+    def layerwise_max_blocks(self) -> int:
+        """Most blocks of a layer-wise load (0: none)."""
+        return self._layerwise_tokens // self.block_size
+
+    @layerwise_max_blocks.setter
+    def layerwise_max_blocks(self, blocks: int) -> None:
+        # Hybrid models never load layer-wise: recurrent state is not
+        # read by layer and their failures go per request.
+        hybrid = self.groups.hybrid
+        self._layerwise_tokens = 0 if hybrid else blocks * self.block_size
+
+    def loads_layerwise(self, external_tokens: int) -> bool:
+        """Whether a hit of `external_tokens` loads layer-wise.
+
+        The rule: a hit of 1 to `layerwise_max_blocks` blocks, on a model
+        with one full-attention group (0 turns layer-wise loads off).  A
+        larger load could not hide behind one forward pass, so it loads
+        asynchronously while vLLM runs other requests.  A pure function
+        of the count: `get_num_new_matched_tokens` and the load job
+        decide alike.
+        """
+        blocks = external_tokens // self.block_size
+        return 0 < blocks <= self._layerwise_tokens // self.block_size
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
@@ -328,7 +373,11 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             self.registry.fire_on(tracker, Event.ALLOC_LOCAL)
         else:
-            allocated = Allocated(blocks.get_block_ids(), num_external_tokens)
+            allocated = Allocated(
+                blocks.get_block_ids(),
+                num_external_tokens,
+                self.loads_layerwise(num_external_tokens),
+            )
             if self.registry.fire_on(
                 tracker, Event.ALLOC_EXTERNAL, data=allocated
             ):
@@ -416,7 +465,8 @@ class SchedulerSide:
         instead (vLLM #46595).
         """
         if tracker.req_id in resumed:
-            self.registry.fire_on(tracker, Event.RESUME)
+            if tracker.state is not State.LOADING:  # a layer-wise load
+                self.registry.fire_on(tracker, Event.RESUME)
             set_tables(tracker, new_ids or ())
         elif new_ids:
             tracker.block_ids.extend(new_ids[0])
@@ -495,8 +545,9 @@ class SchedulerSide:
         """vLLM finished the request, in whatever state; never delays freeing.
 
         Saves in flight hold their own block references, so the blocks can
-        be freed now; a request still loading is kept by vLLM itself until
-        its single receive completion (DRAINING).
+        be freed now; a request still loading asynchronously is kept by
+        vLLM itself until its single receive completion (DRAINING); one
+        loading layer-wise ends now (vLLM frees its blocks at once).
         """
         del block_ids  # empty after preemption; saves pinned their own
         abort = _aborted(request)
@@ -505,6 +556,18 @@ class SchedulerSide:
             self._end_lookup(req_id, "ended")
         else:
             self._refresh_queue.pop(req_id, None)
+        tracker = self.registry.get(req_id)
+        if (
+            tracker is not None
+            and tracker.state is State.LOADING
+            and tracker.layerwise_load
+        ):
+            # A layer-wise load's request runs: vLLM frees its blocks now
+            # and awaits no completion, so the load ends with it (its
+            # report, if one comes, finds no tracker).
+            self.registry.fire_on(
+                tracker, Event.LOAD_FAILED, data=tracker.load_job
+            )
         self.registry.fire(req_id, Event.ABORT if abort else Event.FINISH)
         return False, None
 
@@ -924,13 +987,25 @@ class SchedulerSide:
             if tracker is None:
                 self.machine.unknown(req_id, Event.PREEMPT)
                 continue
+            if tracker.state is State.LOADING and tracker.layerwise_load:
+                # vLLM ran the layer-wise load's step: over for this epoch
+                # (its report, when it comes, is stale).
+                self.registry.fire_on(
+                    tracker, Event.LOAD_DONE, data=tracker.load_job
+                )
             if self.registry.fire_on(tracker, Event.PREEMPT):
                 self.registry.fire_on(tracker, Event.RESET)
                 preempted.append((req_id, tracker.epoch))
         return preempted
 
     def _new_job(
-        self, kind: JobKind, tracker: RequestTracker, first: int, last: int
+        self,
+        kind: JobKind,
+        tracker: RequestTracker,
+        first: int,
+        last: int,
+        *,
+        layerwise: bool = False,
     ) -> TransferJob:
         """A job over every group's blocks of ``[first, last)``."""
         job = self._open.issue_range(
@@ -946,6 +1021,7 @@ class SchedulerSide:
             finished=tracker.state is State.DRAINING,
             states=self.state_offers.for_job(kind, tracker, first, last),
             token_ids=tracker.token_ids,
+            layerwise=layerwise,
         )
         tracker.pending_jobs.add(job.job_id)
         return job
@@ -954,7 +1030,13 @@ class SchedulerSide:
         bs = self.block_size
         first = tracker.num_local_tokens // bs
         last = first + tracker.num_external_tokens // bs
-        job = self._new_job(JobKind.LOAD, tracker, first, last)
+        job = self._new_job(
+            JobKind.LOAD,
+            tracker,
+            first,
+            last,
+            layerwise=tracker.layerwise_load,
+        )
         tracker.load_job = job.job_id
         self.failed_keys.loading(job.block_hashes)
         return job
@@ -994,6 +1076,14 @@ class SchedulerSide:
         if job.kind is JobKind.SAVE:
             event = Event.SAVE_DONE if ok else Event.SAVE_FAILED
             self.registry.fire_if_tracked(job.req_id, event, epoch=job.epoch)
+            return False
+        if job.layerwise:
+            # vLLM ran the request in the load's step and recomputes its
+            # failed blocks in place (or fails it, policy ``fail``): the
+            # request runs on either way, and is owed no completion.
+            self.registry.fire_if_tracked(
+                job.req_id, Event.LOAD_DONE, epoch=job.epoch, data=job.job_id
+            )
             return False
         event = Event.LOAD_DONE if ok else Event.LOAD_FAILED
         return self.registry.fire_if_tracked(

@@ -31,6 +31,7 @@ per concurrent caller (``DEAD_MASTER_STALL_S`` documents the second bound).
 from __future__ import annotations
 
 import bisect
+import ctypes
 import logging
 import os
 import threading
@@ -86,6 +87,7 @@ from connector.store.mooncake import (
     _local_address,
     _mooncake_store,
     _probe_master,
+    probe_tcp,
 )
 from connector.store.regions import Regions, RegionsLike
 
@@ -107,6 +109,19 @@ returns ``RPC_FAIL``; neither ``MC_RPC_TIMEOUT_MS`` nor
 ``MC_RPC_CONNECT_TIMEOUT_MS`` shortens it.
 """
 
+MASTER_GONE: Final = 0.25
+"""Seconds `StoreClient.close` waits for a TCP connect to an unhealthy
+master before it leaves the Mooncake client to process exit."""
+
+_KEPT_OPEN: list[Any] = []
+"""Mooncake objects left to process exit (never destroyed)."""
+_LEFT_WHY: set[str] = set()
+
+
+def left_open() -> list[str]:
+    """Why clients of this process were left to process exit (sorted)."""
+    return sorted(_LEFT_WHY)
+
 
 class StoreClient:
     """A Mooncake store client with typed, bounded, thread-safe calls.
@@ -126,6 +141,7 @@ class StoreClient:
         replicate_config: Any = None,
         check_regions: bool = False,
         reader: ReplicaReader | None = None,
+        probe_on_close: bool = False,
         keeper: MetadataKeeper | None = None,
         metadata_check_s: float = DEFAULT_METADATA_CHECK_S,
     ) -> None:
@@ -135,8 +151,11 @@ class StoreClient:
         a failed get is not retried on another replica).  ``keeper``
         restores this client's transfer metadata when the metadata
         server lost it (checked every ``metadata_check_s`` in a daemon
-        thread until ``close``; None: not watched).
+        thread until ``close``; None: not watched).  With
+        ``probe_on_close`` (the real store), ``close`` first checks that
+        the master accepts connections.
         """
+        self._probe_on_close = probe_on_close
         self._store = store
         self._reader = reader
         self._warn = RateLimitedWarning(log)
@@ -153,6 +172,9 @@ class StoreClient:
         self._idle = threading.Condition(self._lock)
         self._inflight = 0
         self._closed = False
+        #: Why `close` left the Mooncake client to process exit (None: it
+        #: closed it, or was not called).
+        self.left_to_exit: str | None = None
         self._registered: dict[int, int] = {}
         self._starts: list[int] = []
         self._watch = (
@@ -260,6 +282,7 @@ class StoreClient:
             replicate_config=replicate,
             check_regions=check_regions,
             reader=reader,
+            probe_on_close=real,
             keeper=keeper,
         )
 
@@ -267,11 +290,17 @@ class StoreClient:
         """Close the client; idempotent, bounded by ``close_timeout_ms``.
 
         Waits for in-flight calls (new calls raise ``StoreClosedError``),
-        then closes the Mooncake client in a helper thread (it blocks for
-        1-2 s).
+        then closes the Mooncake client.  Mooncake's ``close()`` holds the
+        GIL for its whole duration (measured: 1.0 s with the master up,
+        16 s with it gone: every Python thread stalls), so it is skipped,
+        leaving the client to process exit, when
+
+        * calls are still in flight at the bound (closing under them
+          would free what they use), or
+        * the master does not accept connections (``MASTER_GONE``).
 
         Returns:
-            Whether everything finished within the bound.
+            Whether the Mooncake client was closed within the bound.
         """
         deadline = time.monotonic() + self.config.close_timeout_ms / 1000
         with self._lock:
@@ -282,13 +311,28 @@ class StoreClient:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.warning(
-                        "closing with %d call(s) still in flight",
+                        "Mooncake store not closed: %d call(s) still in "
+                        "flight after %d ms; left to process exit",
                         self._inflight,
+                        self.config.close_timeout_ms,
                     )
                     break
                 self._idle.wait(left)
+            busy = self._inflight > 0
         if self._watch is not None:
             self._watch.stop(min(1.0, max(0.0, deadline - time.monotonic())))
+        if busy:
+            self._leave_to_exit("calls in flight")
+            return False
+        if not self._master_answers():
+            log.warning(
+                "Mooncake store not closed: the master at %s does not "
+                "answer (its close() would stall every thread for 10-18 "
+                "s); left to process exit",
+                self.config.master_server_address,
+            )
+            self._leave_to_exit("master gone")
+            return False
         result: list[int] = []
         closer = threading.Thread(
             target=lambda: result.append(self._store.close()),
@@ -308,6 +352,37 @@ class StoreClient:
             self._reader.close()
         if result and result[0] != 0:
             log.warning("Mooncake store close() returned %d", result[0])
+        return True
+
+    def _leave_to_exit(self, why: str) -> None:
+        """Keep the Mooncake objects alive until the process exits.
+
+        Their destructors tear down like ``close()`` (GIL held, 5-10 s
+        without a master); at exit, `connector.store.clients.close_all`
+        ends the process before Mooncake's own exit handler would.
+        """
+        self.left_to_exit = why
+        _LEFT_WHY.add(why)
+        _KEPT_OPEN.append(self._store)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._store))
+        if self._reader is not None:
+            _KEPT_OPEN.append(self._reader)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._reader))
+
+    def _master_answers(self) -> bool:
+        """Whether the master accepts a TCP connection now.
+
+        Not the health flag: Mooncake's ping thread sets it seconds after
+        the master died.  True without a probe (a store given by a test).
+        """
+        if not self._probe_on_close:
+            return True
+        try:
+            probe_tcp(
+                self.config.master_host, self.config.master_port, MASTER_GONE
+            )
+        except OSError:
+            return False
         return True
 
     def __enter__(self) -> Self:
@@ -389,8 +464,11 @@ class StoreClient:
         storage = tensor.untyped_storage()
         return self.register(storage.data_ptr(), storage.nbytes())
 
-    def unregister(self, ptr: int) -> None:
+    def unregister(self, ptr: int) -> int:
         """Forget a region registered at exactly ``ptr``.
+
+        Returns:
+            Its size in bytes (to register it again).
 
         Raises:
             RegistrationError: it was not registered or Mooncake refused.
@@ -405,6 +483,12 @@ class StoreClient:
             if rc != 0:
                 reason = "Mooncake refused to unregister"
                 raise RegistrationError(ptr, nbytes, rc, reason)
+            return nbytes
+
+    def is_registered(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``[ptr, ptr + nbytes)`` lies inside registered memory."""
+        with self._lock:
+            return self._covered(ptr, nbytes)
 
     def _covered(self, ptr: int, nbytes: int) -> bool:
         index = bisect.bisect_right(self._starts, ptr) - 1

@@ -19,6 +19,8 @@ them would cross a socket instead of staying in the worker's memory.
 from __future__ import annotations
 
 import atexit
+import ctypes
+import logging
 import threading
 from typing import Final
 
@@ -26,6 +28,9 @@ import attrs
 
 from connector.config import StoreConfig
 from connector.store import StoreClient
+from connector.store.client import left_open
+
+log: Final = logging.getLogger(__name__)
 
 _LOCK: Final = threading.Lock()
 _CLIENTS: dict[StoreConfig, StoreClient] = {}
@@ -71,9 +76,53 @@ def release(client: StoreClient) -> None:
 
 @atexit.register
 def close_all() -> None:
-    """Close every client (at process exit, or when a test is done)."""
+    """Close every client (at process exit, or when a test is done).
+
+    A client left open, by this or an earlier `close` (its master gone,
+    or calls still in flight: see `StoreClient.close`), would be torn
+    down by Mooncake's own C exit handler, which then joins its
+    reconnecting threads for 5-15 s.  At process exit, such a client
+    makes the process end right after Python's own finalization instead
+    (`_exit_before_native_teardown`).
+    """
     with _LOCK:
         clients = list(_CLIENTS.values())
         _CLIENTS.clear()
     for client in clients:
         client.close()
+    why = left_open()
+    if why and _exiting():
+        _exit_before_native_teardown(", ".join(why))
+
+
+def _exiting() -> bool:
+    """Whether the interpreter is finalizing.
+
+    Python runs atexit handlers after marking the main thread stopped.
+    """
+    return not threading.main_thread().is_alive()
+
+
+def _exit_before_native_teardown(why: str) -> None:
+    """End the process with its status once Python has finalized.
+
+    glibc's ``on_exit`` runs handlers last-registered first, with the
+    exit status as first argument: registering ``_exit`` now (after
+    Mooncake registered its teardown) ends the process before that
+    teardown, and before C exit handlers registered earlier.  Python's
+    own finalization (streams flushed, logging shut down) is complete by
+    then.  Without glibc's ``on_exit`` nothing changes.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        on_exit = libc.on_exit
+    except (OSError, AttributeError):
+        return
+    on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    on_exit.restype = ctypes.c_int
+    if on_exit(ctypes.cast(libc["_exit"], ctypes.c_void_p), None) == 0:
+        log.warning(
+            "Mooncake client left open (%s): process exit skips its "
+            "native teardown (no master to tell)",
+            why,
+        )

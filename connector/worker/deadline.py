@@ -21,8 +21,8 @@ returns costs one parked thread and one buffer, never the loading thread.
 
 Without a deadline a load runs inline on the calling thread (no hop).
 Keys the store reads from this process's own segment skip staging
-(`connector.worker.transfer.Direct.load`): that get is a memcpy over when
-it returns.  No vLLM import.
+(``Direct.load`` in `connector.worker.transfer`): that get is a memcpy
+over when it returns.  No vLLM import.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
-    from connector.worker.transfer import BlockStore, DeviceOps, Piece
+    from connector.worker.pieces import BlockStore, DeviceOps, Piece
 
 log: Final = logging.getLogger(__name__)
 

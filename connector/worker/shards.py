@@ -10,18 +10,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-import attrs
-
 from connector.errors import ConfigError
 from connector.worker.lanes import Lane
-from connector.worker.transfer import (
+from connector.worker.pieces import (
     BlockStore,
     CopyWaits,
-    Piece,
+    HeadSlice,
     Register,
-    Transfer,
-    open_transfer,
+    head_pieces,
 )
+from connector.worker.transfer import Transfer, open_transfer
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -68,41 +66,6 @@ class ShardPlan(Protocol):
         """Head shards per stored block, or None (per rank)."""
 
 
-@attrs.frozen
-class HeadSlice:
-    """KV heads ``[first, first + count)`` of a rank's ``local`` heads."""
-
-    first: int
-    count: int
-    local: int
-
-
-def head_pieces(pieces: Sequence[Piece], heads: HeadSlice) -> list[Piece]:
-    """The pieces' views of a slice of KV heads, in the same order.
-
-    Needs head-major blocks: each piece ``[num_blocks, local heads, ...]``
-    (vLLM's CPU and other HND layouts), so a head slice of a block is one
-    contiguous range.
-
-    Raises:
-        ValueError: naming the layer whose blocks are not head-major.
-    """
-    out = []
-    for piece in pieces:
-        shape = tuple(piece.view.shape)
-        if len(shape) < 3 or shape[1] != heads.local:  # noqa: PLR2004
-            msg = (
-                f"KV cache for layer {piece.layer!r} has blocks of shape "
-                f"{shape[1:]}; sharing KV by head needs head-major blocks "
-                f"[{heads.local} heads, ...]"
-            )
-            raise ValueError(msg)
-        view = piece.view[:, heads.first : heads.first + heads.count]
-        nbytes = piece.nbytes // heads.local * heads.count
-        out.append(Piece(piece.layer, view, nbytes))
-    return out
-
-
 class Sharded:
     """Several transfers over one block each: the head shards a rank holds.
 
@@ -119,7 +82,11 @@ class Sharded:
             msg = "no shard to move"
             raise ValueError(msg)
         self.parts = tuple(parts)
-        self.registered = tuple(a for p in self.parts for a in p.registered)
+
+    @property
+    def registered(self) -> tuple[int, ...]:
+        """Every shard's registered addresses (load staging grows later)."""
+        return tuple(a for p in self.parts for a in p.registered)
 
     def layer_written(self, layer: str) -> None:
         """Every shard's transfer marks the layer."""

@@ -70,13 +70,15 @@ from connector.metadata import (
 )
 from connector.worker.deadline import Deadline
 from connector.worker.lanes import Lane, move_blocks
-from connector.worker.transfer import (
+from connector.worker.pieces import (
     BatchOutcome,
     BlockStore,
     CopyWaits,
+    Register,
+)
+from connector.worker.transfer import (
     Direct,
     KVLayout,
-    Register,
     Segment,
     Transfer,
     open_transfer,
@@ -110,6 +112,16 @@ _DONE: Final = {
 
 _Queued = tuple[TransferJob, CopyWaits, tuple[Lane, ...], Deadline | None]
 """A queued job: its save fence, its generation's lanes, its load deadline."""
+
+
+@attrs.define(eq=False)
+class _LayerLoad:
+    """A layer-wise load of this step: started, then waited for once."""
+
+    job: TransferJob
+    lanes: tuple[Lane, ...]
+    deadline: Deadline | None = None
+    ended: threading.Event = attrs.field(factory=threading.Event)
 
 
 class KeyMaker(Protocol):
@@ -237,6 +249,18 @@ class WorkerSide:
             for kind in JobKind
         ]
         self._load_errors: set[int] = set()
+        self._spawn = spawn
+        # Layer-wise loads (forward thread): accepted and not started yet,
+        # then started and not yet waited for; their own loop, started at
+        # the first one, so an asynchronous load never delays them.
+        self._layer_jobs: list[_LayerLoad] = []
+        self._layer_open: list[_LayerLoad] = []
+        self._layer_queue: queue.SimpleQueue[_LayerLoad | None] = (
+            queue.SimpleQueue()
+        )
+        self._layer_thread: Joinable | None = None
+        #: Layer-wise loads given up at their deadline by a layer's wait.
+        self.layer_loads_expired = 0
         # Loads with a deadline not yet drained, by job id (forward thread).
         self._deadlines: dict[int, tuple[TransferJob, Deadline]] = {}
         #: Loads the watchdog reported failed at their deadline.
@@ -248,6 +272,11 @@ class WorkerSide:
         self._meta_step = -1  # last metadata whose notices and loads ran
         self._save_step = -1  # last metadata whose saves were queued
         self._closed = False
+        # Jobs handed to the loops and not yet ended (`drain`, `suspend`).
+        self._queued = 0
+        self._idle = threading.Condition(threading.Lock())
+        # Asleep (`suspend`): a job the loops take now is cancelled, not run.
+        self._suspended = False
         self.jobs_done = {JobKind.LOAD: 0, JobKind.SAVE: 0}
         self.jobs_failed = {JobKind.LOAD: 0, JobKind.SAVE: 0}
         self.jobs_cancelled = 0
@@ -312,8 +341,29 @@ class WorkerSide:
         self._accept_meta(meta)
 
     def start_load_kv(self, meta: ConnectorMeta | None) -> None:
-        """Apply the step's notices; queue its loads (all async)."""
+        """Apply the step's notices; queue or start its loads.
+
+        Asynchronous loads go to the load loop; layer-wise ones start on
+        their own loop now.
+        """
         self._accept_meta(meta)
+        if self._layer_jobs:
+            self._start_layer_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Return once this step's layer-wise loads are in, or given up.
+
+        Bounded by each load's deadline: a load not in by then is
+        reported failed now (its blocks go to
+        `get_block_ids_with_load_errors`, vLLM recomputes them) and
+        nothing of it is written later.  Blocks move whole, every layer
+        at once, so the first layer's wait is the only one that waits.
+        """
+        del layer_name
+        if self._layer_jobs:
+            self._start_layer_loads()
+        if self._layer_open:
+            self._settle_layer_loads()
 
     def save_kv_layer(self, layer_name: str) -> None:
         """The forward wrote this layer: saves copy it only after now."""
@@ -328,6 +378,10 @@ class WorkerSide:
         (vLLM without a bindable block pool) is done before returning.
         """
         fence = tuple(lane.transfer.fence() for lane in self.lanes)
+        if self._layer_jobs:  # a forward that waited for no layer
+            self._start_layer_loads()
+        if self._layer_open:
+            self._settle_layer_loads()
         if meta is None or self._closed:
             return
         self._accept_meta(meta)
@@ -339,7 +393,7 @@ class WorkerSide:
                 continue
             lanes = self._lanes_for(meta)
             if job.pinned:
-                self._queues[JobKind.SAVE].put((job, fence, lanes, None))
+                self._enqueue(JobKind.SAVE, (job, fence, lanes, None))
             else:
                 self._run(job, fence, lanes)
 
@@ -352,6 +406,10 @@ class WorkerSide:
         `get_block_ids_with_load_errors`); never when stale or orphaned.
         """
         recving: set[str] = set()
+        if self._layer_jobs:
+            self._start_layer_loads()
+        if self._layer_open:
+            self._settle_layer_loads()
         if self._deadlines:
             self._expire_loads()
         while True:
@@ -376,7 +434,8 @@ class WorkerSide:
                 Verdict.APPLIED,
                 Verdict.REFUSED,
             }:
-                recving.add(job.req_id)
+                if not job.layerwise:  # vLLM runs it: no completion owed
+                    recving.add(job.req_id)
                 self._load_errors |= done.failed_blocks
                 if done.failed_blocks:
                     self._failed_loads.add(job.req_id)
@@ -405,6 +464,60 @@ class WorkerSide:
                     self.load_timeout_s,
                 )
                 self._post(job, self._complete(job, ok=False))
+
+    def _start_layer_loads(self) -> None:
+        """Hand the step's accepted layer-wise loads to their loop."""
+        jobs, self._layer_jobs = self._layer_jobs, []
+        if self._layer_thread is None:
+            self._layer_thread = self._spawn(
+                "kv-lifecycle-layers", self._serve_layers
+            )
+        timeout = self.load_timeout_s
+        for load in jobs:
+            if timeout is not None:
+                load.deadline = Deadline.after(timeout)
+            self._layer_open.append(load)
+            self._layer_queue.put(load)
+
+    def _serve_layers(self) -> None:
+        while (load := self._layer_queue.get()) is not None:
+            try:
+                self._run(load.job, (), load.lanes, load.deadline)
+            finally:
+                load.ended.set()
+
+    def _settle_layer_loads(self) -> None:
+        """Wait for the started layer-wise loads, each to its deadline.
+
+        One past it is taken from its transfer (`Deadline.expire`) and
+        reported failed at once, so the forward goes on.
+        """
+        loads, self._layer_open = self._layer_open, []
+        for load in loads:
+            deadline = load.deadline
+            if deadline is None:
+                load.ended.wait()
+                continue
+            if load.ended.wait(max(deadline.left(), 0.0)):
+                continue
+            with self._lock:
+                if not deadline.expire():
+                    late = False  # claimed: its transfer reports it
+                else:
+                    late = True
+                    self.layer_loads_expired += 1
+                    self.jobs_failed[JobKind.LOAD] += 1
+                    self._post(load.job, self._complete(load.job, ok=False))
+            if late:
+                log.warning(
+                    "layer-wise load job %d for %s passed its %.3g s "
+                    "deadline; its blocks are recomputed",
+                    load.job.job_id,
+                    load.job.req_id,
+                    self.load_timeout_s,
+                )
+            else:
+                load.ended.wait()  # claimed: it is writing, briefly
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes)."""
@@ -440,34 +553,35 @@ class WorkerSide:
 
         A cancelled job fires its failure event and is reported cancelled.
         A transfer stuck in the store cannot be interrupted: its thread is
-        a daemon and is abandoned after `timeout`.
+        a daemon and is abandoned after `timeout`.  Until this returns
+        True the store may still read or write the worker's memory: only
+        then may the caller unregister it (the worker holds the KV views
+        while it lives; a holder of a worker that did not stop keeps it).
 
         Returns:
-            Whether both transfer threads stopped.
+            Whether both transfer threads stopped and no late get (load
+            staging) still holds a buffer.
         """
         if not self._closed:
             self._closed = True
+            self._cancel_queued()
             for kind in JobKind:
-                source = self._queues[kind]
-                while True:
-                    try:
-                        item = source.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is not None:
-                        self._cancel(item[0], item[3])
-                source.put(None)
+                self._queues[kind].put(None)
+            self._layer_queue.put(None)
         deadline = time.monotonic() + timeout
-        for thread in self._threads:
+        threads = list(self._threads)
+        if self._layer_thread is not None:
+            threads.append(self._layer_thread)
+        for thread in threads:
             thread.join(max(deadline - time.monotonic(), 0.0))
-        for lane in self.lanes:
-            staging = getattr(lane.transfer, "loads", None)
-            if staging is not None:
-                staging.close()
-        stopped = not any(t.is_alive() for t in self._threads)
+        stopped = not any(t.is_alive() for t in threads)
+        stopped = self._late_gets_done(deadline) and stopped
+        for staging in self._stagings():
+            staging.close()
         if not stopped:
             log.warning(
-                "transfer threads still running after %.1f s; abandoned",
+                "transfer threads still running after %.1f s; abandoned "
+                "(their memory stays registered and held)",
                 timeout,
             )
         return stopped
@@ -491,12 +605,18 @@ class WorkerSide:
                 if job.kind is JobKind.LOAD and self._accept(job):
                     if job.finished:  # its finish notice preceded the job
                         self.registry.fire(job.req_id, Event.FINISH)
+                    if job.layerwise:  # started in start_load_kv
+                        self._layer_jobs.append(
+                            _LayerLoad(job, self._lanes_for(meta))
+                        )
+                        continue
                     deadline = None
                     if timeout is not None:
                         deadline = Deadline.after(timeout)
                         self._deadlines[job.job_id] = (job, deadline)
-                    self._queues[JobKind.LOAD].put(
-                        (job, (), self._lanes_for(meta), deadline)
+                    self._enqueue(
+                        JobKind.LOAD,
+                        (job, (), self._lanes_for(meta), deadline),
                     )
 
     def _lanes_for(self, meta: ConnectorMeta) -> tuple[Lane, ...]:
@@ -610,9 +730,105 @@ class WorkerSide:
 
         def serve() -> None:
             while (item := source.get()) is not None:
-                self._run(*item)
+                try:
+                    if self._suspended:
+                        self._cancel(item[0], item[3])
+                    else:
+                        self._run(*item)
+                finally:
+                    self._ended(1)
 
         return serve
+
+    def _enqueue(self, kind: JobKind, item: _Queued) -> None:
+        with self._idle:
+            self._queued += 1
+        self._queues[kind].put(item)
+
+    def _ended(self, count: int) -> None:
+        with self._idle:
+            self._queued -= count
+            if not self._queued:
+                self._idle.notify_all()
+
+    def _cancel_queued(self) -> None:
+        """Cancel every job still queued (not the ones running)."""
+        for kind in JobKind:
+            source = self._queues[kind]
+            while True:
+                try:
+                    item = source.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    source.put(None)  # keep the stop for its loop
+                    break
+                try:
+                    self._cancel(item[0], item[3])
+                finally:
+                    self._ended(1)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queued and running job ended (`timeout` s).
+
+        Returns:
+            Whether none is left.
+        """
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._queued:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return self._late_gets_done(deadline)
+
+    def _late_gets_done(self, deadline: float) -> bool:
+        """Wait until no load staging buffer is held by a late get."""
+        while True:
+            held = sum(staging.held_late for staging in self._stagings())
+            if not held:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def _stagings(self) -> list[Any]:
+        """Every lane's load staging (`LoadStaging`), head shards too."""
+        found = []
+        for lane in self.lanes:
+            parts = getattr(lane.transfer, "parts", (lane.transfer,))
+            for part in parts:
+                staging = getattr(part, "loads", None)
+                if staging is not None:
+                    found.append(staging)
+        return found
+
+    def suspend(self, timeout: float = 10.0) -> bool:
+        """Before the KV memory goes away (sleep mode): drain, then stop.
+
+        Queued and running jobs may end within `timeout`; then jobs
+        still queued are cancelled, and until `resume` every job the
+        loops take is cancelled, never run.
+
+        Returns:
+            Whether no transfer is running (False: one is stuck in the
+            store and may still touch the KV memory).
+        """
+        idle = self.drain(timeout)
+        self._suspended = True
+        if not idle:
+            self._cancel_queued()
+        return idle or self.drain(0.0)
+
+    def resume(self) -> None:
+        """After the KV memory is back (wake-up): jobs run again."""
+        self._suspended = False
+
+    @property
+    def suspended(self) -> bool:
+        """Whether `suspend` ran without a `resume` since."""
+        return self._suspended
 
     def _run(
         self,

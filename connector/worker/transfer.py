@@ -40,40 +40,23 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import attrs
 
 from connector.worker.deadline import Deadline, LoadStaging
+from connector.worker.pieces import (
+    BlockStore,
+    CopyWaits,
+    DeviceOps,
+    HeadSlice,
+    Piece,
+    Register,
+    block_pieces,
+    head_pieces,
+    tensors_of,
+)
 
 if TYPE_CHECKING:
     import torch
 
-    from connector.worker.shards import HeadSlice
-
-_KV_HALVES: Final = 2  # K and V, on K/V-first layouts
 DEFAULT_STAGING_BLOCKS: Final = 32
 """Blocks per staging buffer (one buffer for loads, one for saves)."""
-
-CopyWaits = tuple[Any, ...]
-"""Per KV piece, what its copy must wait for (None: nothing)."""
-
-
-class BatchOutcome(Protocol):
-    """Per-key success of one batch call."""
-
-    @property
-    def succeeded(self) -> list[bool]:
-        """One flag per key."""
-
-
-class BlockStore(Protocol):
-    """What a transfer needs from a store client."""
-
-    def put(self, keys: Sequence[str], regions: Any) -> BatchOutcome:
-        """Save each key's region (existing keys keep their value)."""
-
-    def get(self, keys: Sequence[str], regions: Any) -> BatchOutcome:
-        """Load each key into its region."""
-
-
-Register = Callable[[int, int], bool]
-"""Registers ``(ptr, nbytes)`` with the store; False if already covered."""
 
 
 @attrs.frozen
@@ -145,82 +128,6 @@ class KVLayout:
         )
 
 
-@attrs.frozen
-class Piece:
-    """One layer's (or K/V half's) part of every block.
-
-    Attributes:
-        layer: The layer it belongs to.
-        view: Blocks-first view ``[num_blocks, ...]`` of the KV tensor.
-        nbytes: Bytes of one block's part.
-    """
-
-    layer: str
-    view: torch.Tensor
-    nbytes: int
-
-
-def _tensors(name: str, value: Any) -> list[torch.Tensor]:
-    """A layer's KV tensor, or its recurrent state tensors, as a list.
-
-    vLLM hands a recurrent-state layer (Mamba, gated DeltaNet, ...) its
-    state as a list of blocks-first tensors (e.g. conv and SSM state),
-    each a view over the group's shared block memory.
-    """
-    if isinstance(value, list | tuple):
-        if not value:
-            msg = f"layer {name!r} has no KV or state tensor"
-            raise ValueError(msg)
-        return list(value)
-    return [value]
-
-
-def block_pieces(kv_caches: Mapping[str, Any], num_blocks: int) -> list[Piece]:
-    """Blocks-first views of vLLM's KV (and state) tensors, in layer order.
-
-    A layer's value is one tensor (attention) or a list of state tensors
-    (a recurrent layer), each ``[num_blocks, ...]``.
-
-    Raises:
-        ValueError: naming the layer whose shape is neither
-            ``[num_blocks, ...]`` nor ``[2, num_blocks, ...]``, or whose
-            blocks are not contiguous.
-    """
-    pieces: list[Piece] = []
-    for name, value in kv_caches.items():
-        for tensor in _tensors(name, value):
-            pieces.extend(_layer_pieces(name, tensor, num_blocks))
-    devices = {p.view.device for p in pieces}
-    if len(devices) > 1:
-        msg = f"KV caches span several devices: {sorted(map(str, devices))}"
-        raise ValueError(msg)
-    return pieces
-
-
-def _layer_pieces(
-    name: str, tensor: torch.Tensor, num_blocks: int
-) -> list[Piece]:
-    shape = tuple(tensor.shape)
-    if shape and shape[0] == num_blocks:
-        halves = [tensor]
-    elif len(shape) > 1 and shape[0] == _KV_HALVES and shape[1] == num_blocks:
-        halves = [tensor[0], tensor[1]]
-    else:
-        msg = (
-            f"KV cache for layer {name!r} has shape {shape}; "
-            f"expected [{num_blocks}, ...] or [2, {num_blocks}, ...]"
-        )
-        raise ValueError(msg)
-    pieces = []
-    for half in halves:
-        block = half[0]
-        if not block.is_contiguous():
-            msg = f"KV blocks of layer {name!r} are not contiguous"
-            raise ValueError(msg)
-        pieces.append(Piece(name, half, block.numel() * block.element_size()))
-    return pieces
-
-
 class Transfer(Protocol):
     """Moves whole blocks between the KV cache and the store.
 
@@ -264,6 +171,11 @@ class Transfer(Protocol):
 class Direct:
     """Zero copy: the store reads and writes the (host) KV tensors.
 
+    The layout holds only addresses: the tensors behind them must outlive
+    every registration and transfer over them.  `memory` holds them for
+    as long as this transfer lives (`open_transfer` passes the KV views);
+    without it the caller keeps them alive.
+
     Args:
         layout: Where the blocks live (registered with the store).
         regions: Builds a store batch (`connector.store.Regions`).
@@ -271,6 +183,7 @@ class Direct:
         loads: Where loads land first when they have a deadline (a
             transfer given up must not write into the KV cache later);
             None: loads are zero copy too, and unbounded.
+        memory: The tensors (or views) the layout points into, held.
     """
 
     def __init__(
@@ -280,11 +193,13 @@ class Direct:
         registered: tuple[int, ...] = (),
         *,
         loads: LoadStaging | None = None,
+        memory: tuple[Any, ...] = (),
     ) -> None:
         self.layout = layout
         self._regions = regions
         self._registered = registered
         self.loads = loads
+        self.memory = memory
 
     @property
     def registered(self) -> tuple[int, ...]:
@@ -371,27 +286,6 @@ def _pick(
     keys: Sequence[str], block_ids: Sequence[int], where: list[int]
 ) -> tuple[list[str], list[int]]:
     return [keys[i] for i in where], [block_ids[i] for i in where]
-
-
-class DeviceOps(Protocol):
-    """The device-specific half of staging: buffers, streams, events."""
-
-    device: torch.device
-
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        """A host ``uint8`` buffer the device copies to and from."""
-
-    def record(self) -> Any:
-        """A marker after the work queued so far on the current stream."""
-
-    def side(self) -> contextlib.AbstractContextManager[None]:
-        """Where this lane's copies are issued."""
-
-    def wait(self, marker: Any) -> None:
-        """Order the lane's later copies after `marker` (inside `side`)."""
-
-    def sync(self) -> None:
-        """Block the calling thread until the lane's copies are done."""
 
 
 class HostOps:
@@ -654,6 +548,9 @@ def open_transfer(
 ) -> Transfer:
     """The transfer for these KV caches, with its memory registered.
 
+    The transfer holds views of the KV tensors (their storage stays
+    alive while it lives, even if the caller drops them).
+
     With `heads`, it moves that slice of every block's KV heads (one
     object of the head-sharded store layout, `head_pieces`).
 
@@ -672,8 +569,6 @@ def open_transfer(
     """
     pieces = block_pieces(kv_caches, num_blocks)
     if heads is not None:
-        from connector.worker.shards import head_pieces
-
         pieces = head_pieces(pieces, heads)
     device = pieces[0].view.device if pieces else None
     if device is not None and device.type == "cuda":
@@ -694,7 +589,7 @@ def open_transfer(
         )
     registered = []
     for name, value in kv_caches.items():
-        for tensor in _tensors(name, value):
+        for tensor in tensors_of(name, value):
             storage = tensor.untyped_storage()
             if register(storage.data_ptr(), storage.nbytes()):
                 registered.append(storage.data_ptr())
@@ -712,4 +607,5 @@ def open_transfer(
         regions,
         tuple(registered),
         loads=loads,
+        memory=tuple(p.view for p in pieces),
     )

@@ -95,12 +95,16 @@ class RequestReplay:
         session: The trace session (1-based) it ran in.
         steps: Its records, in order.
         first_illegal: Its first illegal event, if any.
+        declined: The table's expected refusals, (state, event) pairs:
+            drawn ``[declined <event>]``, other refusals
+            ``[refused <event>]`` (an outcome, never a state).
     """
 
     req_id: str
     session: int
     steps: list[Record] = attrs.Factory(list)
     first_illegal: Record | None = None
+    declined: frozenset[tuple[Any, Any]] = frozenset()
 
     @property
     def illegal(self) -> int:
@@ -113,7 +117,11 @@ class RequestReplay:
         return sum(r.outcome == STALE for r in self.steps)
 
     def path(self) -> str:
-        """``NEW -lookup-> NEW -alloc_local-> SAVING ...``, runs folded."""
+        """``NEW -lookup-> NEW -alloc_local-> SAVING ...``, runs folded.
+
+        Events not applied are bracketed where they happened:
+        ``[illegal e]``, ``[stale e]``, ``[refused e]``, ``[declined e]``.
+        """
         parts: list[str] = []
         start = self.steps[0].state if self.steps else None
         parts.append(_state_name(start))
@@ -127,8 +135,13 @@ class RequestReplay:
             if repeat:
                 parts[-1] += f" (x{repeat + 1})"
             previous, repeat = key, 0
-            if step.outcome in {ILLEGAL, STALE}:
-                parts.append(f"[{step.outcome} {event_name(step.event)}]")
+            if step.outcome in {ILLEGAL, STALE, REFUSED}:
+                kind = (
+                    "declined"
+                    if (step.state, step.event) in self.declined
+                    else step.outcome
+                )
+                parts.append(f"[{kind} {event_name(step.event)}]")
             else:
                 parts.append(f"-{event_name(step.event)}-> {step.outcome}")
         if repeat:
@@ -165,8 +178,10 @@ class Replay:
         machines: One such machine per table, by table name (``machine``
             among them).
         requests: Per request, in order of first appearance (ids that
-            recur in later sessions get ``"<session>:<req_id>"``; ids of
-            any table but the first are prefixed ``"<table>:"``).
+            recur in later sessions get ``"<session>:<req_id>"``; an id
+            reused in one session after its tracker ended gets
+            ``"<req_id>#<n>"`` for its n-th lifecycle; ids of any table
+            but the first are prefixed ``"<table>:"``).
         events: Event lines replayed.
         sessions: Session starts seen.
         dropped: Events a full trace did not record.
@@ -311,27 +326,46 @@ class _TableReplayer:
             machine, Tracker
         )
         self.open: dict[str, RequestReplay] = {}
+        # Ended this session: late events for the id (untracked) still
+        # belong to them; a new tracker for the id starts a new path.
+        self.ended: dict[str, RequestReplay] = {}
+        self.lives: dict[str, int] = {}
 
     def new_session(self) -> None:
         for req_id in list(self.open):
             self.registry.discard(req_id)
         self.open.clear()
+        self.ended.clear()
+        self.lives.clear()
 
-    def request(self, req_id: str) -> RequestReplay:
+    def request(self, r: Record) -> RequestReplay:
+        req_id = r.req_id
         request = self.open.get(req_id)
+        if request is None and r.state is None:
+            request = self.ended.get(req_id)
         if request is None:
+            self.ended.pop(req_id, None)
             session = max(self.result.sessions, 1)
-            key = self.prefix + req_id
+            life = self.lives[req_id] = self.lives.get(req_id, 0) + 1
+            key = self.prefix + req_id + (f"#{life}" if life > 1 else "")
             if key in self.result.requests:
                 key = f"{session}:{key}"
-            request = RequestReplay(req_id, session)
+            request = RequestReplay(
+                req_id, session, declined=self.table.expected_refusals
+            )
             self.result.requests[key] = request
             self.open[req_id] = request
         return request
 
+    def _end(self, req_id: str) -> None:
+        """The id's tracker ended: its next tracker is a new request."""
+        request = self.open.pop(req_id, None)
+        if request is not None:
+            self.ended[req_id] = request
+
     def record(self, r: Record) -> None:  # noqa: C901 - one case per outcome
         self.result.events += 1
-        request = self.request(r.req_id)
+        request = self.request(r)
         request.steps.append(r)
         if r.outcome == ILLEGAL and request.first_illegal is None:
             request.first_illegal = r
@@ -369,6 +403,8 @@ class _TableReplayer:
                 return
             if tracker.state in self.table.terminal:
                 self.registry.discard(r.req_id)
+        if tracker.state in self.table.terminal:
+            self._end(r.req_id)
 
     def _tracker(self, r: Record) -> Tracker[Any, Any]:
         """The replayed tracker, resynchronised to the recorded state."""

@@ -1,0 +1,238 @@
+"""Layer-wise loads: a store hit runs in the step it is admitted.
+
+vLLM 0.33's real scheduler (`harness.Harness`) over a real master: a hit
+within ``layerwise_load_max_blocks`` is answered ``load_async`` False, so
+vLLM schedules it in the step that allocates it (never
+``WAITING_FOR_REMOTE_KVS``); the harness plays the model runner layer by
+layer and checks, when each ``wait_for_layer_load`` returns, that the
+layer's KV is what recomputation writes (or that the block is reported a
+load error this step).  A load past ``transfer_timeout`` is given up in
+the layer's wait, its blocks recomputed, and the late transfer never
+writes.  Larger hits stay asynchronous.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from connector.metadata import JobKind
+from tests.connector_helpers import (
+    CONNECTOR,
+    assert_clean,
+    prompt,
+    run,
+    store_prefix,
+)
+from tests.worker_helpers import Gate
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.vllm]
+
+TIMEOUT_S = 0.5
+PREFIX = 64  # 4 blocks of 16
+LOAD = JobKind.LOAD
+
+
+@pytest.fixture
+def make(extra, harnesses):
+    pytest.importorskip("vllm")
+    from harness import Harness  # noqa: PLC0415
+
+    def _make(max_blocks=8, timeout=TIMEOUT_S, **kwargs):
+        conf = {
+            **extra,
+            "transfer_timeout": timeout,
+            "layerwise_load_max_blocks": max_blocks,
+        }
+        h = Harness(CONNECTOR, extra_config=conf, **kwargs)
+        harnesses.append(h)
+        return h
+
+    return _make
+
+
+def _statuses(h, req_id, steps=60):
+    """Step until `req_id` finished; its status after each step."""
+    seen = []
+    for _ in range(steps):
+        if h.is_idle():
+            break
+        report = h.step()
+        request = h.requests.get(req_id)
+        if request is not None:
+            seen.append((request.status.name, req_id in report.scheduled))
+        if not report.scheduled:
+            time.sleep(0.005)
+    return seen
+
+
+def test_a_store_hit_runs_in_the_step_it_is_admitted(make):
+    store_prefix(make, 3, PREFIX)
+    b = make(num_blocks=40, enable_prefix_caching=False)
+    b.add_request("b", [*prompt(3, PREFIX), 5], max_tokens=4)
+    seen = _statuses(b, "b")
+    run(b)
+    assert "WAITING_FOR_REMOTE_KVS" not in {s for s, _ in seen}
+    # Asked (lookup in flight), then scheduled at once with its hit.
+    assert [ran for _, ran in seen[:2]] == [False, True]
+    assert b.external_hit_tokens == PREFIX
+    w = b.worker_connector.worker_side
+    assert w.jobs_done[LOAD] == 1
+    assert w.layer_loads_expired == 0
+    assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+    assert_clean(b)
+
+
+def test_a_hit_above_the_bound_stays_asynchronous(make):
+    store_prefix(make, 4, PREFIX)
+    b = make(max_blocks=2, num_blocks=40, enable_prefix_caching=False)
+    b.add_request("b", [*prompt(4, PREFIX), 5], max_tokens=4)
+    seen = _statuses(b, "b")
+    run(b)
+    assert "WAITING_FOR_REMOTE_KVS" in {s for s, _ in seen}
+    assert b.external_hit_tokens == PREFIX
+    assert b.worker_connector.worker_side.jobs_done[LOAD] == 1
+    assert_clean(b)
+
+
+def test_a_late_layer_load_is_given_up_and_recomputed(make):
+    """Every get hangs: the first layer's wait returns at the deadline,
+    the blocks are reported as load errors (vLLM recomputes them in
+    place), and the late get, released afterwards, writes nowhere the
+    harness's every-step KV check would see.
+    """
+    store_prefix(make, 5, PREFIX)
+    b = make(num_blocks=40, enable_prefix_caching=False)
+    w = b.worker_connector.worker_side
+    gate = Gate(w._store, puts=False)
+    w._store = gate
+    b.add_request("b", [*prompt(5, PREFIX), 5], max_tokens=4)
+    try:
+        slowest = 0.0
+        end = time.monotonic() + 20
+        while not b.is_idle() and time.monotonic() < end:
+            started = time.monotonic()
+            b.step()
+            slowest = max(slowest, time.monotonic() - started)
+            time.sleep(0.005)
+    finally:
+        gate.release()
+    assert gate.entered.is_set()
+    # Given up at the deadline by the staging's own wait or by the
+    # layer's (whichever claims the load first), never both.
+    assert w.jobs_failed[LOAD] == 1
+    assert TIMEOUT_S <= slowest < TIMEOUT_S + 1.0
+    assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+    assert gate.ended.wait(10)
+    run(b)
+    assert_clean(b)
+
+
+def test_loads_layerwise_rule():
+    from connector.scheduler.lookup import NO_LOOKUP  # noqa: PLC0415
+    from connector.scheduler.side import Role, SchedulerSide  # noqa: PLC0415
+
+    s = SchedulerSide(
+        block_size=16,
+        role=Role.BOTH,
+        lookup=NO_LOOKUP,
+        threaded_lookups=False,
+        layerwise_max_blocks=4,
+    )
+    try:
+        assert [s.loads_layerwise(n * 16) for n in (0, 1, 4, 5)] == [
+            False,
+            True,
+            True,
+            False,
+        ]
+    finally:
+        s.close()
+    with pytest.raises(ValueError, match="layerwise_max_blocks"):
+        SchedulerSide(
+            block_size=16,
+            role=Role.BOTH,
+            lookup=NO_LOOKUP,
+            threaded_lookups=False,
+            layerwise_max_blocks=-1,
+        )
+
+
+def test_layerwise_key_is_read_and_needs_a_deadline():
+    from connector.config import LoadConfig  # noqa: PLC0415
+    from connector.errors import ConfigError  # noqa: PLC0415
+
+    on = LoadConfig.from_extra_config({"layerwise_load_max_blocks": 16})
+    assert on.layerwise_max_blocks == 16
+    off = LoadConfig.from_extra_config(
+        {"layerwise_load_max_blocks": 16, "transfer_timeout": 0}
+    )
+    assert off.layerwise_max_blocks == 0
+    assert LoadConfig().layerwise_max_blocks == 0
+    with pytest.raises(ConfigError, match="layerwise_load_max_blocks"):
+        LoadConfig.from_extra_config({"layerwise_load_max_blocks": -1})
+
+
+class _Slow:
+    """The real store, each get `delay_s` late (within the deadline)."""
+
+    def __init__(self, store, delay_s):
+        self.store, self.delay_s = store, delay_s
+
+    def get(self, keys, regions):
+        time.sleep(self.delay_s)
+        return self.store.get(keys, regions)
+
+    def put(self, keys, regions):
+        return self.store.put(keys, regions)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_the_first_layer_waits_for_a_slow_load(make):
+    """A load slower than the forward pass but within its deadline: the
+    first layer's wait holds the forward until the KV is in (the harness
+    checks each layer's KV when its attention runs), nothing fails.
+    """
+    store_prefix(make, 6, PREFIX)
+    b = make(timeout=5.0, num_blocks=40, enable_prefix_caching=False)
+    w = b.worker_connector.worker_side
+    w._store = _Slow(w._store, 0.3)
+    b.add_request("b", [*prompt(6, PREFIX), 5], max_tokens=4)
+    run(b)
+    assert b.external_hit_tokens == PREFIX
+    assert (w.jobs_done[LOAD], w.jobs_failed[LOAD]) == (1, 0)
+    assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+    assert_clean(b)
+
+
+def test_tp_ranks_finish_their_layer_loads_at_different_times(make):
+    """Two ranks, each its own worker: rank 1's gets are slower (within
+    the deadline).  Each rank's first layer waits for its own load; vLLM
+    aggregates the ranks' reports; every rank's KV is checked when each
+    layer's attention runs.
+    """
+    a = make(tp_size=2, kv_heads=2, num_blocks=40)
+    a.add_request("a", prompt(9, PREFIX), max_tokens=2)
+    run(a)
+    b = make(
+        timeout=5.0,
+        tp_size=2,
+        kv_heads=2,
+        num_blocks=40,
+        enable_prefix_caching=False,
+    )
+    slow = b.ranks[1][0].worker_side
+    slow._store = _Slow(slow._store, 0.3)
+    b.add_request("b", [*prompt(9, PREFIX), 5], max_tokens=4)
+    seen = _statuses(b, "b")
+    run(b)
+    assert "WAITING_FOR_REMOTE_KVS" not in {s for s, _ in seen}
+    assert b.external_hit_tokens == PREFIX
+    for connector, _ in b.ranks:
+        w = connector.worker_side
+        assert (w.jobs_done[LOAD], w.jobs_failed[LOAD]) == (1, 0)
+    assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+    assert_clean(b)

@@ -175,7 +175,7 @@ class MasterAddresses(Protocol):
 
 
 def store_config_for(master: MasterAddresses, **overrides: Any) -> StoreConfig:
-    """A loopback TCP ``StoreConfig`` for an embedded master.
+    """A loopback TCP ``StoreConfig`` for an embedded master (or HA set).
 
     Defaults: 256 MiB segment, 16 MiB buffer, ``127.0.0.1``, 2 s RPC
     timeout, one setup attempt, ``MC_LOG_LEVEL=ERROR``. ``overrides`` are
@@ -196,6 +196,9 @@ def store_config_for(master: MasterAddresses, **overrides: Any) -> StoreConfig:
         "setup_retries": 1,
         "log_level": "ERROR",
     }
+    cluster_id = getattr(master, "cluster_id", None)
+    if master.rpc_address.startswith("etcd://") and cluster_id:
+        values["cluster_id"] = cluster_id
     values.update(overrides)
     fields = attrs.fields_dict(StoreConfig)
     for key, value in values.items():
@@ -394,6 +397,13 @@ class EmbeddedMaster:
         rpc_port: fixed ``--rpc_port``; ``None`` picks a free one.
         http_port: fixed metadata-server port; ``None`` picks one.
         metrics_port: fixed ``--metrics_port``; ``None`` picks one.
+        etcd_endpoints: HA mode (``--enable_ha``): the etcd endpoints
+            (``host:port;host:port``) through which masters elect a
+            leader; a standby counts as ready (``/health`` names its
+            role), only the leader serves.
+        cluster_id: ``--cluster_id`` of the HA set.
+        enable_oplog: ``--enable_oplog`` in HA mode: the leader's
+            metadata is replicated, so stored blocks survive failover.
     """
 
     def __init__(
@@ -412,7 +422,13 @@ class EmbeddedMaster:
         rpc_port: int | None = None,
         http_port: int | None = None,
         metrics_port: int | None = None,
+        etcd_endpoints: str | None = None,
+        cluster_id: str = "mooncake_cluster",
+        enable_oplog: bool = True,
     ) -> None:
+        self.etcd_endpoints = etcd_endpoints
+        self.cluster_id = cluster_id
+        self.enable_oplog = enable_oplog
         self.lease_ttl_ms = lease_ttl_ms
         self.client_ttl_s = client_ttl_s
         self.eviction_high_watermark_ratio = eviction_high_watermark_ratio
@@ -515,6 +531,13 @@ class EmbeddedMaster:
             f"--metrics_port={ports.metrics}",
             "--enable_metric_reporting=false",
         ]
+        if self.etcd_endpoints is not None:
+            argv += [
+                "--enable_ha=true",
+                f"--etcd_endpoints={self.etcd_endpoints}",
+                f"--cluster_id={self.cluster_id}",
+                f"--enable_oplog={str(self.enable_oplog).lower()}",
+            ]
         if self.lease_ttl_ms is not None:
             argv.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
         if self.client_ttl_s is not None:
@@ -633,16 +656,38 @@ class EmbeddedMaster:
             _wait_stopped(proc.pid, stopped=False, timeout_s=2.0)
             self._state = MasterState.RUNNING
 
-    def is_ready(self) -> bool:
-        """One readiness probe: ``/health`` ready and RPC port accepting."""
+    def health(self) -> dict[str, Any] | None:
+        """The ``/health`` JSON (``None``: no answer).
+
+        HA masters add ``role`` (``leader``/``standby``), ``ha_state``
+        and ``leader_address``.
+        """
         try:
             with urllib.request.urlopen(  # noqa: S310 - fixed http URL
                 self.health_url, timeout=0.5
             ) as resp:
                 body = json.loads(resp.read().decode("utf-8", "replace"))
         except (OSError, ValueError):
+            return None
+        return body if isinstance(body, dict) else None
+
+    def serving(self) -> bool:
+        """Whether ``/health`` says ``service_ready`` (an HA leader)."""
+        body = self.health()
+        return body is not None and body.get("service_ready") is True
+
+    def is_ready(self) -> bool:
+        """One readiness probe: ``/health`` ready and RPC port accepting.
+
+        In HA mode a master that answers ``/health`` with a role is ready
+        (a standby never serves; ``HAMasters`` waits for the leader).
+        """
+        body = self.health()
+        if body is None:
             return False
-        if not isinstance(body, dict) or body.get("service_ready") is not True:
+        if self.etcd_endpoints is not None:
+            return body.get("role") in {"leader", "standby"}
+        if body.get("service_ready") is not True:
             return False
         try:
             probe_tcp(HOST, self.ports.rpc, 0.5)

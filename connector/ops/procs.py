@@ -1,7 +1,8 @@
 """Supervised store processes: ``etcd`` and the node-level ``mooncake_client``.
 
 ``Supervised`` runs one child process on loopback the way
-``EmbeddedMaster`` runs the master: it waits until a readiness probe
+``EmbeddedMaster`` runs the master (both on ``master._ChildProcess``:
+spawn, log reader, ready wait, bounded stop): it waits until a readiness probe
 passes, forwards the output to Python logging (or appends it to a file),
 keeps the last lines, and always stops it again (``stop()``, a context
 manager, a finalizer run at interpreter exit too). Unless started with

@@ -25,21 +25,18 @@ Example::
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Final, Self
+from typing import Any, Final, Self
 
 from connector.errors import ServiceStartError
-from connector.ops.master import EmbeddedMaster
+from connector.ops.master import EmbeddedMaster, _StartStop
 from connector.ops.procs import EmbeddedEtcd
-
-if TYPE_CHECKING:
-    from types import TracebackType
 
 __all__ = ["HAMasters"]
 
 _SERVICE: Final = "HA master set"
 
 
-class HAMasters:
+class HAMasters(_StartStop):
     """etcd plus ``masters`` HA masters on loopback, all owned here.
 
     Contracts: ``start()`` returns once a leader serves (``/health``
@@ -156,17 +153,6 @@ class HAMasters:
     def health(self) -> list[dict[str, Any] | None]:
         """Each master's ``/health`` JSON, in start order."""
         return [m.health() if m.running else None for m in self.masters]
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         where = self.etcd.endpoint if self.etcd is not None else "not started"

@@ -61,7 +61,7 @@ from connector.errors import (
 from connector.store.mooncake import probe_tcp
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from types import TracebackType
 
 __all__ = [
@@ -361,7 +361,151 @@ def _stop_process(
         return None
 
 
-class EmbeddedMaster:
+class _StartStop:
+    """A context manager that starts on entry and stops on exit.
+
+    ``__enter__`` returns ``start()``; ``__exit__`` calls ``stop()``.
+    """
+
+    def start(self) -> Self:
+        """Start it; return ``self``."""
+        raise NotImplementedError
+
+    def stop(self) -> object:
+        """Stop it (idempotent)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class _ChildProcess(_StartStop):
+    """One supervised child at a time: spawn, log reader, bounded stop.
+
+    Shared by ``EmbeddedMaster`` and ``connector.ops.procs.Supervised``:
+    ``_launch`` starts the argv (behind the parent-death launcher where
+    asked) on the spawner thread, registers its pid and a finalizer, and
+    forwards a piped output to logging (keeping ``_tail``); ``_release``
+    detaches the finalizer, stops the process (SIGTERM, then SIGKILL
+    after ``stop_timeout_s``) and joins the reader.
+    """
+
+    stop_timeout_s: float
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
+        self._finalizer: weakref.finalize[..., _ChildProcess] | None = None
+        self._pids: list[int] = []
+        self._tail: collections.deque[str] = collections.deque(
+            maxlen=_LOG_TAIL_LINES
+        )
+        self._lock = threading.RLock()
+
+    def _launch(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        stdout: Any,
+        dies_with_owner: bool,
+        logger: str,
+        level: int,
+        thread_name: str,
+    ) -> subprocess.Popen[bytes]:
+        """Spawn ``argv`` and supervise it.
+
+        Raises:
+            OSError: as ``Popen`` does.
+        """
+        proc = _SPAWNER.popen(
+            _dies_with_owner(argv) if dies_with_owner else argv,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self._proc = proc
+        self._pids.append(proc.pid)
+        self._finalizer = weakref.finalize(
+            self, _stop_process, proc, self.stop_timeout_s
+        )
+        if proc.stdout is not None:
+            self._reader = threading.Thread(
+                target=_forward_lines,
+                args=(
+                    proc.stdout,
+                    logging.getLogger(logger),
+                    level,
+                    self._tail,
+                ),
+                name=f"{thread_name}-{proc.pid}",
+                daemon=True,
+            )
+            self._reader.start()
+        return proc
+
+    def _await_ready(
+        self,
+        proc: subprocess.Popen[bytes],
+        ready: Callable[[], bool],
+        timeout_s: float,
+        fail: Callable[[str, int | None], Exception],
+    ) -> None:
+        """Poll ``ready()`` every 50 ms until it passes.
+
+        Raises:
+            Exception: ``fail(reason, status)`` once ``proc`` exited or
+                ``timeout_s`` passed (``status`` ``None``), after
+                ``_shutdown()``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rc = proc.poll()
+            if rc is not None:
+                self._shutdown()
+                reason = "exited before becoming ready"
+                raise fail(reason, rc)
+            if ready():
+                return
+            if time.monotonic() >= deadline:
+                self._shutdown()
+                reason = f"not ready within {timeout_s:.1f} s"
+                raise fail(reason, None)
+            time.sleep(_POLL_S)
+
+    def _shutdown(self) -> int | None:
+        """Stop the current process; its exit status."""
+        stopped = self._release()
+        return None if stopped is None else stopped[1]
+
+    def _release(self) -> tuple[int, int | None] | None:
+        """Stop the current process; ``(pid, status)``, ``None``: none."""
+        proc, self._proc = self._proc, None
+        finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+        if proc is None:
+            return None
+        rc = _stop_process(proc, self.stop_timeout_s)
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.join(timeout=1.0)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        return proc.pid, rc
+
+
+class EmbeddedMaster(_ChildProcess):
     """A ``mooncake_master`` child process on free loopback ports.
 
     Contracts:
@@ -426,6 +570,7 @@ class EmbeddedMaster:
         cluster_id: str = "mooncake_cluster",
         enable_oplog: bool = True,
     ) -> None:
+        super().__init__()
         self.etcd_endpoints = etcd_endpoints
         self.cluster_id = cluster_id
         self.enable_oplog = enable_oplog
@@ -444,15 +589,7 @@ class EmbeddedMaster:
         if len(self._fixed) == len(chosen):
             self.start_attempts = 1  # the same ports would fail the same
         self._ports: MasterPorts | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._reader: threading.Thread | None = None
-        self._finalizer: weakref.finalize[..., EmbeddedMaster] | None = None
         self._state = MasterState.STOPPED
-        self._pids: list[int] = []
-        self._tail: collections.deque[str] = collections.deque(
-            maxlen=_LOG_TAIL_LINES
-        )
-        self._lock = threading.RLock()
 
     # -- addresses ---------------------------------------------------------
 
@@ -695,17 +832,6 @@ class EmbeddedMaster:
             return False
         return True
 
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
         ports = self._ports
         where = "no ports" if ports is None else self.rpc_address
@@ -732,75 +858,40 @@ class EmbeddedMaster:
             reason = f"cannot execute {argv[0]}: not an executable file"
             raise MasterStartError(reason, None, attempt, ())
         try:
-            proc = _SPAWNER.popen(
-                _dies_with_owner(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+            proc = self._launch(
+                argv,
                 env=env,
-                start_new_session=True,
+                stdout=subprocess.PIPE,
+                dies_with_owner=True,
+                logger=f"{__name__}.{self.ports.rpc}",
+                level=self.log_level,
+                thread_name="mooncake-master-log",
             )
         except OSError as exc:
             reason = f"cannot execute {argv[0]}: {exc}"
             raise MasterStartError(reason, None, attempt, ()) from exc
-        self._proc = proc
-        self._pids.append(proc.pid)
-        self._finalizer = weakref.finalize(
-            self, _stop_process, proc, self.stop_timeout_s
-        )
-        self._reader = self._start_reader(proc)
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            rc = proc.poll()
-            if rc is not None:
-                self._shutdown()
-                reason = f"exited with status {rc} before becoming ready"
-                raise MasterStartError(reason, rc, attempt, self.log_tail)
-            if self.is_ready():
-                self._state = MasterState.RUNNING
-                log.info(
-                    "mooncake_master pid %d ready at %s (metadata %s)",
-                    proc.pid,
-                    self.rpc_address,
-                    self.metadata_server,
-                )
-                return
-            if time.monotonic() >= deadline:
-                self._shutdown()
-                reason = f"not ready within {self.start_timeout_s:.1f} s"
-                raise MasterStartError(reason, None, attempt, self.log_tail)
-            time.sleep(_POLL_S)
 
-    def _start_reader(self, proc: subprocess.Popen[bytes]) -> threading.Thread:
-        stream = proc.stdout
-        if stream is None:  # pragma: no cover - Popen got stdout=PIPE
-            msg = "no stdout pipe"
-            raise MasterStartError(msg, None, 0, ())
-        name = f"{__name__}.{self.ports.rpc}"
-        thread = threading.Thread(
-            target=_forward_lines,
-            args=(stream, logging.getLogger(name), self.log_level, self._tail),
-            name=f"mooncake-master-log-{proc.pid}",
-            daemon=True,
+        def fail(reason: str, rc: int | None) -> MasterStartError:
+            if rc is not None:
+                reason = f"exited with status {rc} before becoming ready"
+            return MasterStartError(reason, rc, attempt, self.log_tail)
+
+        self._await_ready(proc, self.is_ready, self.start_timeout_s, fail)
+        self._state = MasterState.RUNNING
+        log.info(
+            "mooncake_master pid %d ready at %s (metadata %s)",
+            proc.pid,
+            self.rpc_address,
+            self.metadata_server,
         )
-        thread.start()
-        return thread
 
     def _shutdown(self) -> int | None:
-        proc, self._proc = self._proc, None
-        finalizer, self._finalizer = self._finalizer, None
-        if finalizer is not None:
-            finalizer.detach()
-        if proc is None:
+        stopped = self._release()
+        if stopped is None:
             return None
-        rc = _stop_process(proc, self.stop_timeout_s)
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.join(timeout=1.0)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        pid, rc = stopped
         self._state = MasterState.STOPPED
-        log.debug("mooncake_master pid %d exited with %s", proc.pid, rc)
+        log.debug("mooncake_master pid %d exited with %s", pid, rc)
         return rc
 
 

@@ -1,7 +1,8 @@
 """Supervised store processes: ``etcd`` and the node-level ``mooncake_client``.
 
 ``Supervised`` runs one child process on loopback the way
-``EmbeddedMaster`` runs the master: it waits until a readiness probe
+``EmbeddedMaster`` runs the master (both on ``master._ChildProcess``:
+spawn, log reader, ready wait, bounded stop): it waits until a readiness probe
 passes, forwards the output to Python logging (or appends it to a file),
 keeps the last lines, and always stops it again (``stop()``, a context
 manager, a finalizer run at interpreter exit too). Unless started with
@@ -19,7 +20,6 @@ that engines contribute no segment of their own.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import logging
@@ -28,20 +28,16 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.request
-import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from connector.errors import ConfigError, ServiceStartError
 from connector.ops.master import (
-    _SPAWNER,
+    _LOG_TAIL_LINES,
     HOST,
-    _dies_with_owner,
-    _forward_lines,
-    _stop_process,
+    _ChildProcess,
     _wait_stopped,
     find_binary,
     process_alive,
@@ -50,7 +46,6 @@ from connector.store.mooncake import probe_tcp
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
-    from types import TracebackType
 
 __all__ = [
     "EmbeddedEtcd",
@@ -61,9 +56,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_POLL_S: Final = 0.05
-_TAIL: Final = 50
 
 
 def free_port() -> int:
@@ -86,7 +78,7 @@ def get_json(url: str, timeout_s: float = 0.5) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-class Supervised:
+class Supervised(_ChildProcess):
     """One child process, ready-probed, logged, and stopped with its owner.
 
     Contracts: ``start()`` returns once ``ready()`` passes, or raises
@@ -122,6 +114,7 @@ class Supervised:
             reason = "a process that outlives its owner needs a log file"
             key = "log_file"
             raise ConfigError(key, None, reason)
+        super().__init__()
         self.name = name
         self._argv = argv
         self._ready = ready
@@ -131,12 +124,6 @@ class Supervised:
         self.log_level = log_level
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._finalizer: weakref.finalize[..., Supervised] | None = None
-        self._reader: threading.Thread | None = None
-        self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL)
-        self._pids: list[int] = []
-        self._lock = threading.RLock()
 
     # -- state -------------------------------------------------------------
 
@@ -157,7 +144,7 @@ class Supervised:
         if self.log_file is not None:
             with contextlib.suppress(OSError):
                 lines = self.log_file.read_text(errors="replace").splitlines()
-                return tuple(lines[-_TAIL:])
+                return tuple(lines[-_LOG_TAIL_LINES:])
             return ()
         return tuple(self._tail)
 
@@ -246,17 +233,6 @@ class Supervised:
             self._proc, self._finalizer = None, None
             return proc.pid
 
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"<{type(self).__name__} {self.name} {state} pid={self.pid}>"
@@ -278,16 +254,16 @@ class Supervised:
         if self.log_file is not None:
             self.log_file.parent.mkdir(parents=True, exist_ok=True)
             out = self.log_file.open("ab")
-        full = _dies_with_owner(argv) if self.dies_with_owner else argv
         log.debug("starting %s: %s", self.name, " ".join(argv))
         try:
-            proc = _SPAWNER.popen(
-                full,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
+            self._launch(
+                argv,
                 env=env,
-                start_new_session=True,
+                stdout=out,
+                dies_with_owner=self.dies_with_owner,
+                logger=f"{__name__}.{self.name}",
+                level=self.log_level,
+                thread_name=f"{self.name}-log",
             )
         except OSError as exc:
             reason = f"cannot execute {binary}: {exc}"
@@ -295,58 +271,12 @@ class Supervised:
         finally:
             if out is not subprocess.PIPE:
                 out.close()
-        self._proc = proc
-        self._pids.append(proc.pid)
-        self._finalizer = weakref.finalize(
-            self, _stop_process, proc, self.stop_timeout_s
-        )
-        if proc.stdout is not None:
-            self._reader = threading.Thread(
-                target=_forward_lines,
-                args=(
-                    proc.stdout,
-                    logging.getLogger(f"{__name__}.{self.name}"),
-                    self.log_level,
-                    self._tail,
-                ),
-                name=f"{self.name}-log-{proc.pid}",
-                daemon=True,
-            )
-            self._reader.start()
 
     def _wait_ready(self) -> None:
         proc = self._proc
         assert proc is not None  # _spawn set it
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            rc = proc.poll()
-            if rc is not None:
-                self._shutdown()
-                reason = "exited before becoming ready"
-                raise self._fail(reason, rc)
-            if self._ready():
-                log.info("%s pid %d ready", self.name, proc.pid)
-                return
-            if time.monotonic() >= deadline:
-                self._shutdown()
-                reason = f"not ready within {self.start_timeout_s:.1f} s"
-                raise self._fail(reason, None)
-            time.sleep(_POLL_S)
-
-    def _shutdown(self) -> int | None:
-        proc, self._proc = self._proc, None
-        finalizer, self._finalizer = self._finalizer, None
-        if finalizer is not None:
-            finalizer.detach()
-        if proc is None:
-            return None
-        rc = _stop_process(proc, self.stop_timeout_s)
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.join(timeout=1.0)
-        if proc.stdout is not None:
-            proc.stdout.close()
-        return rc
+        self._await_ready(proc, self._ready, self.start_timeout_s, self._fail)
+        log.info("%s pid %d ready", self.name, proc.pid)
 
 
 def find_etcd() -> Path:

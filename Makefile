@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 MAIN_PYTHON := 3.11
 PYMATRIX := 3.12 3.13
 
-.PHONY: all venv venv-e2e pymatrix e2e unit-e2e malloc-check serving-e2e bench-ttft cluster bench-cluster bench-multiturn bench-tp test lint imports typecheck typing diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
+.PHONY: all venv venv-e2e pymatrix e2e unit-e2e malloc-check serving-e2e bench-ttft cluster bench-cluster bench-ha bench-multiturn bench-tp test lint imports typecheck typing diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
 
 all: test
 
@@ -98,10 +98,14 @@ soak: $(STAMP)
 # segment each) on shared masters. `make test` runs its fast subset
 # (tests/test_cluster.py::test_peer_death_and_restart); this runs all.
 cluster: $(STAMP)
-	KV_CLUSTER=1 $(PY) -m pytest tests/test_cluster.py tests/test_failed_keys.py $(PYTEST_ARGS)
+	KV_CLUSTER=1 $(PY) -m pytest tests/test_cluster.py tests/test_cluster_ha.py tests/test_failed_keys.py $(PYTEST_ARGS)
 
 bench-cluster: $(STAMP)
 	$(PY) -m benchmarks.cluster --json
+
+# HA masters (etcd) and the node-level pool: master_failover, engine_restart.
+bench-ha: $(STAMP)
+	$(PY) -m benchmarks.ha --json
 
 bench-scheduler: $(STAMP)
 	$(PY) -m benchmarks.scheduler_step --json

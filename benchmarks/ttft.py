@@ -30,6 +30,12 @@ reset before each ``hit`` and the hit still comes only through the
 connector (attention blocks and the state at the last checkpoint); the
 raw-transfer comparisons are skipped for it.
 
+``--node-pool`` adds a row (``node_pool``) with the same cold and hit
+TTFT on an engine that contributes no segment while a node-level
+``mooncake_client`` owns the pool (issue 33's ``standalone-store``
+mode): every load crosses the transfer engine instead of a same-process
+copy.
+
 ``--tp 1,2`` adds a row per tensor-parallel size (``tp_rows``): the same
 cold and hit TTFT on an engine of that many ranks (vLLM's multiprocess
 executor, one worker process per rank, each loading its own KV shard).
@@ -38,6 +44,7 @@ executor, one worker process per rank, each loading its own KV shard).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -54,6 +61,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from connector.config import MiB, StoreConfig
 from connector.ops.master import EmbeddedMaster, store_config_for
+from connector.ops.procs import NodePool
 from e2e.engine import (
     OBSERVED_CONNECTOR,
     OBSERVED_CONNECTOR_MODULE,
@@ -90,12 +98,13 @@ def _spec(
     mp: bool,
     size: str = SIZE,
     tp: int = 1,
+    segment: str | int = "1GB",
 ) -> EngineSpec:
     extra = store_extra(
         master,
         "ttft",
         local_hostname="127.0.0.1",
-        global_segment_size="1GB",
+        global_segment_size=segment,
         e2e_snapshot_dir=str(snapshots),
     )
     blocks = prompt_len // BLOCK + 2
@@ -137,16 +146,38 @@ def measure_engine(
     mp: bool,
     size: str = SIZE,
     tp: int = 1,
+    node_pool: bool = False,
 ) -> dict[str, Any]:
-    """Cold and hit TTFT on one engine; the hits' load bandwidth."""
+    """Cold and hit TTFT on one engine; the hits' load bandwidth.
+
+    ``node_pool``: the engine contributes no segment; a node-level
+    ``mooncake_client`` (``connector.ops.procs.NodePool``) owns the pool.
+    """
     runs: list[dict[str, Any]] = []
     with (
         EmbeddedMaster() as master,
         tempfile.TemporaryDirectory() as tmp,
+        contextlib.ExitStack() as stack,
     ):
         snapshots = Path(tmp)
+        segment: str | int = "1GB"
+        if node_pool:
+            pool = NodePool(
+                master_server_address=master.rpc_address,
+                metadata_server=master.metadata_server,
+                global_segment_size=1024 * 1024 * 1024,
+            )
+            stack.enter_context(pool)
+            segment = 0
         spec = _spec(
-            master, snapshots, prompt_len, threads, mp=mp, size=size, tp=tp
+            master,
+            snapshots,
+            prompt_len,
+            threads,
+            mp=mp,
+            size=size,
+            tp=tp,
+            segment=segment,
         )
         with EngineProcess(spec) as engine:
             info = dict(engine.info)
@@ -180,6 +211,24 @@ def measure_engine(
         "runs": runs,
         "block_bytes": sum(w["block_bytes"] for w in workers),
         "illegal": snap["illegal"],
+    }
+
+
+def node_pool_row(prompt_len: int, reps: int, threads: int) -> Any:
+    """Cold and hit TTFT with the pool in a node-level process."""
+    engine = measure_engine(
+        prompt_len, reps, threads, mp=False, node_pool=True
+    )
+    runs = engine["runs"]
+    return {
+        "cold_ttft_median_s": statistics.median(r["cold_s"] for r in runs),
+        "hit_ttft_median_s": statistics.median(r["hit_s"] for r in runs),
+        "ttft_ratio": round(
+            statistics.median(r["cold_s"] / r["hit_s"] for r in runs), 2
+        ),
+        "hit_tokens": runs[0]["hit_tokens"],
+        "all_same_tokens": all(r["same_tokens"] for r in runs),
+        "illegal": engine["illegal"],
     }
 
 
@@ -336,9 +385,11 @@ def run(
     mp: bool,
     size: str = SIZE,
     tp_sizes: tuple[int, ...] = (),
+    node_pool: bool = False,
 ) -> Any:
     """The whole benchmark; returns the JSON document."""
     started = time.monotonic()
+    pool_row = node_pool_row(prompt_len, reps, threads) if node_pool else None
     engine = measure_engine(prompt_len, reps, threads, mp=mp, size=size)
     if size in HYBRIDS:
         return _hybrid_doc(
@@ -395,6 +446,7 @@ def run(
         "meets_goals": ttft_ratio >= TTFT_GOAL and load_ratio >= LOAD_GOAL,
         "illegal": engine["illegal"],
         "tp_rows": [tp_row(prompt_len, reps, threads, tp) for tp in tp_sizes],
+        "node_pool": pool_row,
         "elapsed_s": round(time.monotonic() - started, 1),
     }
 
@@ -452,6 +504,12 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="tensor-parallel sizes of extra rows, e.g. 1,2 (tp_rows)",
     )
+    parser.add_argument(
+        "--node-pool",
+        action="store_true",
+        help="add a row with the pool in a node-level mooncake_client "
+        "(the engine contributes no segment; run before the main row)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     tp_sizes = tuple(int(t) for t in args.tp.split(",") if t.strip())
@@ -463,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         mp=args.mp,
         size=args.model,
         tp_sizes=tp_sizes,
+        node_pool=args.node_pool,
     )
     if args.json or args.model in HYBRIDS:
         sys.stdout.write(json.dumps(doc) + "\n")

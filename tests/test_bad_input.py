@@ -40,6 +40,7 @@ BOUND_S = 3.0  # every failure below is reported within this
 BAD_VALUES = {
     "master_server_address": "10.0.0.1",  # no port
     "metadata_server": "ftp://host/metadata",
+    "cluster_id": "no spaces allowed",
     "protocol": "udp",
     "device_name": 5,
     "global_segment_size": "8MiB",  # Mooncake's setup() fails under 16 MiB
@@ -256,6 +257,18 @@ class TestUnreachableMaster:
         )
         assert address == err.address
         assert "connect" in err.reason
+
+    def test_no_etcd_endpoint_listening(self, good, monkeypatch):
+        """An HA address whose etcd endpoints all refuse: at once."""
+        extra, h = good
+        monkeypatch.delenv(CONFIG_PATH_ENV, raising=False)
+        address = f"etcd://127.0.0.1:{free_port()};127.0.0.1:{free_port()}"
+        err = construct_fails(
+            h, {**extra, "master_server_address": address}, StoreUnavailable
+        )
+        assert address == err.address
+        assert "etcd endpoint" in err.reason
+        assert err.reason.count("refused") == 2  # both were tried
 
     def test_unroutable_address_is_bounded(self, good, monkeypatch):
         """A blackholed master (no answer at all) fails within the bound."""

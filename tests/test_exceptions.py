@@ -45,6 +45,7 @@ def _samples() -> dict[type[BaseException], BaseException]:
         cerr.MasterBinaryNotFoundError(("/usr/bin", "/opt")),
         cerr.MasterStartError("exited", 3, 2, ("a", "b")),
         cerr.MasterNotRunningError("pause"),
+        cerr.ServiceStartError("etcd", "exited", 1, ("a",)),
         cerr.StoreUnavailable("127.0.0.1:1", None, "connection refused"),
         cerr.StoreClosedError("put"),
         cerr.RegistrationError(0x1000, 4096, -1, "no memory"),

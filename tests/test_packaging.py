@@ -28,12 +28,18 @@ PIP = ("-m", "pip", "-q", "--disable-pip-version-check")
 
 
 def run(argv, **kwargs):
+    # A clean venv is clean only without PYTHONPATH: the Python matrix
+    # sets it to the checkout, whose kv_lifecycle.egg-info (the editable
+    # install) would make pip see the project as installed already and
+    # the probes import the checkout instead of the wheel.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run(
         argv,
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
+        env=env,
         **kwargs,
     )
     assert done.returncode == 0, (

@@ -35,6 +35,7 @@ from connector.errors.master import (
     MasterError,
     MasterNotRunningError,
     MasterStartError,
+    ServiceStartError,
 )
 from connector.errors.parallel import (
     ParallelRankError,
@@ -60,6 +61,7 @@ __all__ = [
     "ParallelRankError",
     "RegionError",
     "RegistrationError",
+    "ServiceStartError",
     "StoreClosedError",
     "StoreError",
     "StoreUnavailable",

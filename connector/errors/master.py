@@ -68,3 +68,27 @@ class MasterNotRunningError(MasterError):
 
     def __str__(self) -> str:
         return f"{self.operation}: the embedded mooncake_master is not running"
+
+
+@attrs.define(auto_exc=True, slots=False)
+class ServiceStartError(MasterError):
+    """A supervised process (etcd, mooncake_client, HA set) did not start.
+
+    ``service`` names it, ``reason`` says why (no binary, exited, timed
+    out), ``returncode`` is its exit status if it exited and ``log_tail``
+    its last output lines.
+
+    .. versionadded:: 0.1.0
+    """
+
+    service: str
+    reason: str
+    returncode: int | None
+    log_tail: tuple[str, ...]
+
+    def __str__(self) -> str:
+        tail = " | ".join(self.log_tail[-5:]) or "no output"
+        return (
+            f"{self.service} failed to start: {self.reason} "
+            f"(returncode={self.returncode}; last output: {tail})"
+        )

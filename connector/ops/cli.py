@@ -10,6 +10,13 @@ Commands:
   it serves, prints the matching ``--kv-transfer-config`` JSON on one
   stdout line (and writes a ``MOONCAKE_CONFIG_PATH`` file on request),
   then keeps it running until Ctrl-C or SIGTERM, and stops it.
+  ``master --ha`` does the same for a local HA set (one etcd and
+  ``--masters`` masters with ``--enable_ha --enable_oplog``); the printed
+  config reaches the leader through etcd (``etcd://...``).
+- ``pool``: runs the wheel's ``mooncake_client`` as the node-level pool
+  against a running master (or HA set), prints the engines' config
+  (``global_segment_size: 0``, ``mode: standalone-store``), and stops it
+  on Ctrl-C/SIGTERM; it dies with this command unless ``--detach``.
 """
 
 from __future__ import annotations
@@ -22,14 +29,15 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from connector.integration.plugin import CONNECTOR_NAME
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from types import FrameType
 
+    from connector.ops.ha import HAMasters
     from connector.ops.master import EmbeddedMaster
 
 __all__ = ["LIFECYCLE_COMMANDS", "kv_transfer_config", "main"]
@@ -46,7 +54,7 @@ EXIT_START_FAILED: Final = 3
 
 
 def kv_transfer_config(
-    master: EmbeddedMaster,
+    master: EmbeddedMaster | HAMasters,
     *,
     role: str = "kv_both",
     store: dict[str, Any] | None = None,
@@ -64,6 +72,9 @@ def kv_transfer_config(
         "protocol": "tcp",
         "local_hostname": "127.0.0.1",
     }
+    cluster_id = getattr(master, "cluster_id", None)
+    if master.rpc_address.startswith("etcd://") and cluster_id:
+        extra["cluster_id"] = cluster_id
     extra.update(store or {})
     return {
         "kv_connector": CONNECTOR_NAME,
@@ -84,11 +95,12 @@ def _store_keys(args: argparse.Namespace) -> dict[str, Any]:
     return keys
 
 
-def _validate(config: dict[str, Any]) -> None:
-    """Fail before serving if the printed config would not load."""
+def _validated(config: dict[str, Any]) -> dict[str, Any]:
+    """``config``, failing before serving if it would not load."""
     from connector.config import StoreConfig
 
     StoreConfig.from_extra_config(config["kv_connector_extra_config"])
+    return config
 
 
 def _write_config_file(path: Path, extra: dict[str, Any]) -> None:
@@ -111,29 +123,48 @@ class _Stop:
         self.event.set()
 
 
-def _master(args: argparse.Namespace) -> int:
-    from connector.errors import ConfigError, MasterError
-    from connector.ops.master import EmbeddedMaster
-
+def _log_to_stderr(verbose: bool) -> None:  # noqa: FBT001 - one flag
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    flags = [f"--{flag.removeprefix('--')}" for flag in args.flag or ()]
-    master = EmbeddedMaster(
-        rpc_port=args.rpc_port,
-        http_port=args.http_port,
-        metrics_port=args.metrics_port,
-        lease_ttl_ms=args.lease_ttl_ms,
-        client_ttl_s=args.client_ttl_s,
-        eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
-        eviction_ratio=args.eviction_ratio,
-        extra_flags=flags,
-        binary=args.binary,
-        start_timeout_s=args.start_timeout_s,
-        log_level=logging.INFO,
-    )
+
+
+class _Service(Protocol):
+    """What ``_serve`` runs: a master, an HA set or the node pool."""
+
+    def start(self) -> object:
+        """Start it; raises ``MasterError`` when it cannot."""
+        ...  # pragma: no cover
+
+    def stop(self) -> object:
+        """Stop it (idempotent)."""
+        ...  # pragma: no cover
+
+
+def _serve(
+    label: str,
+    service: _Service,
+    *,
+    config: Callable[[], dict[str, Any]],
+    announce: Callable[[], int | None],
+    exited: Callable[[], str | None],
+    on_signal: Callable[[int | None], str],
+    config_file: str | None = None,
+) -> int:
+    """The serving commands' flow, until a signal; returns the exit status.
+
+    Signals are caught first; ``service`` starts (a ``MasterError`` gives
+    ``EXIT_START_FAILED``); ``config()`` builds the printed config (a
+    ``ConfigError`` gives 2), written to ``config_file`` too; the JSON goes
+    to stdout, ``announce()`` tells stderr (a status it returns ends the
+    command there); then every 0.5 s ``exited()`` says why the service
+    died (status 1), until SIGINT/SIGTERM (status 0). ``service`` is
+    always stopped and the signal handlers restored.
+    """
+    from connector.errors import ConfigError, MasterError
+
     stop = _Stop()
     previous = {
         sig: signal.signal(sig, stop)
@@ -141,41 +172,225 @@ def _master(args: argparse.Namespace) -> int:
     }
     try:
         try:
-            master.start()
+            service.start()
         except MasterError as exc:
-            print(f"{PROG} master: {exc}", file=sys.stderr)
+            print(f"{PROG} {label}: {exc}", file=sys.stderr)
             return EXIT_START_FAILED
-        config = kv_transfer_config(
-            master, role=args.kv_role, store=_store_keys(args)
-        )
         try:
-            _validate(config)
+            printed = config()
         except ConfigError as exc:
-            print(f"{PROG} master: {exc}", file=sys.stderr)
+            print(f"{PROG} {label}: {exc}", file=sys.stderr)
             return 2
-        if args.config_file is not None:
+        if config_file is not None:
             _write_config_file(
-                Path(args.config_file), config["kv_connector_extra_config"]
+                Path(config_file), printed["kv_connector_extra_config"]
             )
-        print(json.dumps(config), flush=True)
-        _say_ready(master, args)
+        print(json.dumps(printed), flush=True)
+        status = announce()
+        if status is not None:
+            return status
         while not stop.event.wait(timeout=0.5):
-            if not master.running:
-                print(
-                    f"{PROG} master: mooncake_master pid {master.pid} exited;"
-                    f" last output: {list(master.log_tail)[-5:]}",
-                    file=sys.stderr,
-                )
+            reason = exited()
+            if reason is not None:
+                print(f"{PROG} {label}: {reason}", file=sys.stderr)
                 return 1
-        print(
-            f"{PROG} master: signal {stop.signal}, stopping pid {master.pid}",
-            file=sys.stderr,
-        )
+        print(f"{PROG} {label}: {on_signal(stop.signal)}", file=sys.stderr)
         return 0
     finally:
-        master.stop()
+        service.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _master(args: argparse.Namespace) -> int:
+    if args.ha:
+        return _ha_master(args)
+    from connector.ops.master import EmbeddedMaster
+
+    _log_to_stderr(args.verbose)
+    master = EmbeddedMaster(
+        rpc_port=args.rpc_port,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        **_master_kwargs(args),
+    )
+
+    def exited() -> str | None:
+        if master.running:
+            return None
+        return (
+            f"mooncake_master pid {master.pid} exited;"
+            f" last output: {list(master.log_tail)[-5:]}"
+        )
+
+    def announce() -> None:
+        _say_ready(master, args)
+
+    return _serve(
+        "master",
+        master,
+        config=lambda: _validated(
+            kv_transfer_config(
+                master, role=args.kv_role, store=_store_keys(args)
+            )
+        ),
+        announce=announce,
+        exited=exited,
+        on_signal=lambda sig: f"signal {sig}, stopping pid {master.pid}",
+        config_file=args.config_file,
+    )
+
+
+def _master_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    flags = [f"--{flag.removeprefix('--')}" for flag in args.flag or ()]
+    return {
+        "lease_ttl_ms": args.lease_ttl_ms,
+        "client_ttl_s": args.client_ttl_s,
+        "eviction_high_watermark_ratio": args.eviction_high_watermark_ratio,
+        "eviction_ratio": args.eviction_ratio,
+        "extra_flags": flags,
+        "binary": args.binary,
+        "start_timeout_s": args.start_timeout_s,
+        "log_level": logging.INFO,
+    }
+
+
+def _ha_master(args: argparse.Namespace) -> int:
+    """``master --ha``: etcd and ``--masters`` HA masters, until a signal."""
+    from connector.ops.ha import HAMasters
+
+    _log_to_stderr(args.verbose)
+    if args.rpc_port or args.http_port or args.metrics_port:
+        print(
+            f"{PROG} master: --ha picks free ports (no --*-port)",
+            file=sys.stderr,
+        )
+        return 2
+    ha = HAMasters(
+        masters=args.masters,
+        cluster_id=args.cluster_id,
+        enable_oplog=not args.no_oplog,
+        master_kwargs=_master_kwargs(args),
+    )
+
+    def announce() -> None:
+        lines = [f"{PROG} master --ha: etcd {ha.etcd_endpoint}"]
+        lines.extend(
+            f"  mooncake_master pid {m.pid} at {m.rpc_address}"
+            f" (health {m.health_url})"
+            for m in ha.masters
+        )
+        lines.append("  pass the JSON above to vLLM: --kv-transfer-config")
+        lines.append("  Ctrl-C or SIGTERM stops them")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+    def exited() -> str | None:
+        etcd_down = ha.etcd is None or not ha.etcd.running
+        if etcd_down or not any(m.running for m in ha.masters):
+            return f"{'etcd' if etcd_down else 'every master'} exited"
+        return None
+
+    return _serve(
+        "master --ha",
+        ha,
+        config=lambda: _validated(
+            kv_transfer_config(ha, role=args.kv_role, store=_store_keys(args))
+        ),
+        announce=announce,
+        exited=exited,
+        on_signal=lambda sig: f"signal {sig}",
+        config_file=args.config_file,
+    )
+
+
+def _pool_extra(args: argparse.Namespace) -> dict[str, Any]:
+    """The engines' store keys for ``pool`` (validated).
+
+    Raises:
+        ConfigError: a bad address, cluster id, or ``--detach`` alone.
+    """
+    from connector.config import StoreConfig
+    from connector.errors import ConfigError
+
+    if args.detach and args.log_file is None:
+        reason = "--detach needs --log-file (nobody reads its output)"
+        key = "log_file"
+        raise ConfigError(key, None, reason)
+    extra: dict[str, Any] = {
+        "master_server_address": args.master_server_address,
+        "metadata_server": args.metadata_server,
+        "protocol": "tcp",
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": 0,
+        "mode": "standalone-store",
+    }
+    if args.cluster_id is not None:
+        extra["cluster_id"] = args.cluster_id
+    StoreConfig.from_extra_config(extra)
+    return extra
+
+
+def _pool(args: argparse.Namespace) -> int:
+    """``pool``: the node-level ``mooncake_client``, until a signal."""
+    from connector.config import parse_size
+    from connector.errors import ConfigError
+    from connector.ops.procs import NodePool
+
+    _log_to_stderr(args.verbose)
+    try:
+        size = parse_size("global_segment_size", args.global_segment_size)
+        buffer = parse_size("local_buffer_size", args.local_buffer_size)
+        extra = _pool_extra(args)
+    except ConfigError as exc:
+        print(f"{PROG} pool: {exc}", file=sys.stderr)
+        return 2
+    pool = NodePool(
+        master_server_address=args.master_server_address,
+        metadata_server=args.metadata_server,
+        global_segment_size=size,
+        local_buffer_size=buffer,
+        cluster_id=args.cluster_id,
+        port=args.port,
+        http_port=args.http_port,
+        dies_with_owner=not args.detach,
+        log_file=args.log_file,
+        log_level=logging.INFO,
+        start_timeout_s=args.start_timeout_s,
+    )
+
+    def announce() -> int | None:
+        print(
+            f"{PROG} pool: mooncake_client pid {pool.pid} owns "
+            f"{size} B at {pool.address} (health {pool.health_url});"
+            " engines contribute 0",
+            file=sys.stderr,
+            flush=True,
+        )
+        if not args.detach:
+            return None
+        pid = pool.detach()
+        print(f"{PROG} pool: detached pid {pid}", file=sys.stderr)
+        return 0
+
+    def exited() -> str | None:
+        if pool.running:
+            return None
+        tail = list(pool.log_tail)[-5:]
+        return f"mooncake_client pid {pool.pid} exited; last output: {tail}"
+
+    return _serve(
+        "pool",
+        pool,
+        config=lambda: {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_role": args.kv_role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        },
+        announce=announce,
+        exited=exited,
+        on_signal=lambda sig: f"signal {sig}",
+    )
 
 
 def _say_ready(master: EmbeddedMaster, args: argparse.Namespace) -> None:
@@ -252,12 +467,51 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="another mooncake_master flag (repeatable)",
     )
+    ha = m.add_argument_group("HA set (--ha)")
+    ha.add_argument(
+        "--ha",
+        action="store_true",
+        help="start etcd and --masters HA masters; print an etcd:// config",
+    )
+    ha.add_argument("--masters", type=int, default=2, help="default 2")
+    ha.add_argument("--cluster-id", default="kv-lifecycle")
+    ha.add_argument(
+        "--no-oplog",
+        action="store_true",
+        help="do not replicate metadata (stored blocks are lost on failover)",
+    )
     m.add_argument("--binary", help="mooncake_master executable")
     m.add_argument("--start-timeout-s", type=float, default=20.0)
     m.add_argument(
         "-v", "--verbose", action="store_true", help="log the master output"
     )
     m.set_defaults(func=_master)
+    p = sub.add_parser(
+        "pool",
+        help="run the node-level mooncake_client; print the engines' config",
+        description="Start the Mooncake wheel's mooncake_client as the "
+        "node's KV pool against a running master, print the "
+        "--kv-transfer-config JSON for engines that contribute no memory "
+        "(global_segment_size 0, mode standalone-store), and stop it on "
+        "Ctrl-C/SIGTERM (it dies with this command unless --detach).",
+    )
+    p.add_argument("--master-server-address", required=True)
+    p.add_argument("--metadata-server", required=True)
+    p.add_argument("--cluster-id", help="with an etcd:// master address")
+    p.add_argument("--global-segment-size", default="4GB")
+    p.add_argument("--local-buffer-size", default="64MB")
+    p.add_argument("--port", type=_port, help="RPC port (default: free)")
+    p.add_argument("--http-port", type=_port, help="/health port")
+    p.add_argument("--kv-role", choices=ROLES, default="kv_both")
+    p.add_argument(
+        "--detach",
+        action="store_true",
+        help="leave it running after this command exits (needs --log-file)",
+    )
+    p.add_argument("--log-file", metavar="PATH")
+    p.add_argument("--start-timeout-s", type=float, default=30.0)
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=_pool)
     return parser
 
 

@@ -61,7 +61,7 @@ from connector.errors import (
 from connector.store.mooncake import probe_tcp
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from types import TracebackType
 
 __all__ = [
@@ -175,7 +175,7 @@ class MasterAddresses(Protocol):
 
 
 def store_config_for(master: MasterAddresses, **overrides: Any) -> StoreConfig:
-    """A loopback TCP ``StoreConfig`` for an embedded master.
+    """A loopback TCP ``StoreConfig`` for an embedded master (or HA set).
 
     Defaults: 256 MiB segment, 16 MiB buffer, ``127.0.0.1``, 2 s RPC
     timeout, one setup attempt, ``MC_LOG_LEVEL=ERROR``. ``overrides`` are
@@ -196,6 +196,9 @@ def store_config_for(master: MasterAddresses, **overrides: Any) -> StoreConfig:
         "setup_retries": 1,
         "log_level": "ERROR",
     }
+    cluster_id = getattr(master, "cluster_id", None)
+    if master.rpc_address.startswith("etcd://") and cluster_id:
+        values["cluster_id"] = cluster_id
     values.update(overrides)
     fields = attrs.fields_dict(StoreConfig)
     for key, value in values.items():
@@ -358,7 +361,151 @@ def _stop_process(
         return None
 
 
-class EmbeddedMaster:
+class _StartStop:
+    """A context manager that starts on entry and stops on exit.
+
+    ``__enter__`` returns ``start()``; ``__exit__`` calls ``stop()``.
+    """
+
+    def start(self) -> Self:
+        """Start it; return ``self``."""
+        raise NotImplementedError
+
+    def stop(self) -> object:
+        """Stop it (idempotent)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class _ChildProcess(_StartStop):
+    """One supervised child at a time: spawn, log reader, bounded stop.
+
+    Shared by ``EmbeddedMaster`` and ``connector.ops.procs.Supervised``:
+    ``_launch`` starts the argv (behind the parent-death launcher where
+    asked) on the spawner thread, registers its pid and a finalizer, and
+    forwards a piped output to logging (keeping ``_tail``); ``_release``
+    detaches the finalizer, stops the process (SIGTERM, then SIGKILL
+    after ``stop_timeout_s``) and joins the reader.
+    """
+
+    stop_timeout_s: float
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
+        self._finalizer: weakref.finalize[..., _ChildProcess] | None = None
+        self._pids: list[int] = []
+        self._tail: collections.deque[str] = collections.deque(
+            maxlen=_LOG_TAIL_LINES
+        )
+        self._lock = threading.RLock()
+
+    def _launch(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        stdout: Any,
+        dies_with_owner: bool,
+        logger: str,
+        level: int,
+        thread_name: str,
+    ) -> subprocess.Popen[bytes]:
+        """Spawn ``argv`` and supervise it.
+
+        Raises:
+            OSError: as ``Popen`` does.
+        """
+        proc = _SPAWNER.popen(
+            _dies_with_owner(argv) if dies_with_owner else argv,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self._proc = proc
+        self._pids.append(proc.pid)
+        self._finalizer = weakref.finalize(
+            self, _stop_process, proc, self.stop_timeout_s
+        )
+        if proc.stdout is not None:
+            self._reader = threading.Thread(
+                target=_forward_lines,
+                args=(
+                    proc.stdout,
+                    logging.getLogger(logger),
+                    level,
+                    self._tail,
+                ),
+                name=f"{thread_name}-{proc.pid}",
+                daemon=True,
+            )
+            self._reader.start()
+        return proc
+
+    def _await_ready(
+        self,
+        proc: subprocess.Popen[bytes],
+        ready: Callable[[], bool],
+        timeout_s: float,
+        fail: Callable[[str, int | None], Exception],
+    ) -> None:
+        """Poll ``ready()`` every 50 ms until it passes.
+
+        Raises:
+            Exception: ``fail(reason, status)`` once ``proc`` exited or
+                ``timeout_s`` passed (``status`` ``None``), after
+                ``_shutdown()``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rc = proc.poll()
+            if rc is not None:
+                self._shutdown()
+                reason = "exited before becoming ready"
+                raise fail(reason, rc)
+            if ready():
+                return
+            if time.monotonic() >= deadline:
+                self._shutdown()
+                reason = f"not ready within {timeout_s:.1f} s"
+                raise fail(reason, None)
+            time.sleep(_POLL_S)
+
+    def _shutdown(self) -> int | None:
+        """Stop the current process; its exit status."""
+        stopped = self._release()
+        return None if stopped is None else stopped[1]
+
+    def _release(self) -> tuple[int, int | None] | None:
+        """Stop the current process; ``(pid, status)``, ``None``: none."""
+        proc, self._proc = self._proc, None
+        finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+        if proc is None:
+            return None
+        rc = _stop_process(proc, self.stop_timeout_s)
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.join(timeout=1.0)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        return proc.pid, rc
+
+
+class EmbeddedMaster(_ChildProcess):
     """A ``mooncake_master`` child process on free loopback ports.
 
     Contracts:
@@ -394,6 +541,13 @@ class EmbeddedMaster:
         rpc_port: fixed ``--rpc_port``; ``None`` picks a free one.
         http_port: fixed metadata-server port; ``None`` picks one.
         metrics_port: fixed ``--metrics_port``; ``None`` picks one.
+        etcd_endpoints: HA mode (``--enable_ha``): the etcd endpoints
+            (``host:port;host:port``) through which masters elect a
+            leader; a standby counts as ready (``/health`` names its
+            role), only the leader serves.
+        cluster_id: ``--cluster_id`` of the HA set.
+        enable_oplog: ``--enable_oplog`` in HA mode: the leader's
+            metadata is replicated, so stored blocks survive failover.
     """
 
     def __init__(
@@ -412,7 +566,14 @@ class EmbeddedMaster:
         rpc_port: int | None = None,
         http_port: int | None = None,
         metrics_port: int | None = None,
+        etcd_endpoints: str | None = None,
+        cluster_id: str = "mooncake_cluster",
+        enable_oplog: bool = True,
     ) -> None:
+        super().__init__()
+        self.etcd_endpoints = etcd_endpoints
+        self.cluster_id = cluster_id
+        self.enable_oplog = enable_oplog
         self.lease_ttl_ms = lease_ttl_ms
         self.client_ttl_s = client_ttl_s
         self.eviction_high_watermark_ratio = eviction_high_watermark_ratio
@@ -428,15 +589,7 @@ class EmbeddedMaster:
         if len(self._fixed) == len(chosen):
             self.start_attempts = 1  # the same ports would fail the same
         self._ports: MasterPorts | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._reader: threading.Thread | None = None
-        self._finalizer: weakref.finalize[..., EmbeddedMaster] | None = None
         self._state = MasterState.STOPPED
-        self._pids: list[int] = []
-        self._tail: collections.deque[str] = collections.deque(
-            maxlen=_LOG_TAIL_LINES
-        )
-        self._lock = threading.RLock()
 
     # -- addresses ---------------------------------------------------------
 
@@ -515,6 +668,13 @@ class EmbeddedMaster:
             f"--metrics_port={ports.metrics}",
             "--enable_metric_reporting=false",
         ]
+        if self.etcd_endpoints is not None:
+            argv += [
+                "--enable_ha=true",
+                f"--etcd_endpoints={self.etcd_endpoints}",
+                f"--cluster_id={self.cluster_id}",
+                f"--enable_oplog={str(self.enable_oplog).lower()}",
+            ]
         if self.lease_ttl_ms is not None:
             argv.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
         if self.client_ttl_s is not None:
@@ -633,33 +793,44 @@ class EmbeddedMaster:
             _wait_stopped(proc.pid, stopped=False, timeout_s=2.0)
             self._state = MasterState.RUNNING
 
-    def is_ready(self) -> bool:
-        """One readiness probe: ``/health`` ready and RPC port accepting."""
+    def health(self) -> dict[str, Any] | None:
+        """The ``/health`` JSON (``None``: no answer).
+
+        HA masters add ``role`` (``leader``/``standby``), ``ha_state``
+        and ``leader_address``.
+        """
         try:
             with urllib.request.urlopen(  # noqa: S310 - fixed http URL
                 self.health_url, timeout=0.5
             ) as resp:
                 body = json.loads(resp.read().decode("utf-8", "replace"))
         except (OSError, ValueError):
+            return None
+        return body if isinstance(body, dict) else None
+
+    def serving(self) -> bool:
+        """Whether ``/health`` says ``service_ready`` (an HA leader)."""
+        body = self.health()
+        return body is not None and body.get("service_ready") is True
+
+    def is_ready(self) -> bool:
+        """One readiness probe: ``/health`` ready and RPC port accepting.
+
+        In HA mode a master that answers ``/health`` with a role is ready
+        (a standby never serves; ``HAMasters`` waits for the leader).
+        """
+        body = self.health()
+        if body is None:
             return False
-        if not isinstance(body, dict) or body.get("service_ready") is not True:
+        if self.etcd_endpoints is not None:
+            return body.get("role") in {"leader", "standby"}
+        if body.get("service_ready") is not True:
             return False
         try:
             probe_tcp(HOST, self.ports.rpc, 0.5)
         except OSError:
             return False
         return True
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         ports = self._ports
@@ -687,75 +858,40 @@ class EmbeddedMaster:
             reason = f"cannot execute {argv[0]}: not an executable file"
             raise MasterStartError(reason, None, attempt, ())
         try:
-            proc = _SPAWNER.popen(
-                _dies_with_owner(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+            proc = self._launch(
+                argv,
                 env=env,
-                start_new_session=True,
+                stdout=subprocess.PIPE,
+                dies_with_owner=True,
+                logger=f"{__name__}.{self.ports.rpc}",
+                level=self.log_level,
+                thread_name="mooncake-master-log",
             )
         except OSError as exc:
             reason = f"cannot execute {argv[0]}: {exc}"
             raise MasterStartError(reason, None, attempt, ()) from exc
-        self._proc = proc
-        self._pids.append(proc.pid)
-        self._finalizer = weakref.finalize(
-            self, _stop_process, proc, self.stop_timeout_s
-        )
-        self._reader = self._start_reader(proc)
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            rc = proc.poll()
-            if rc is not None:
-                self._shutdown()
-                reason = f"exited with status {rc} before becoming ready"
-                raise MasterStartError(reason, rc, attempt, self.log_tail)
-            if self.is_ready():
-                self._state = MasterState.RUNNING
-                log.info(
-                    "mooncake_master pid %d ready at %s (metadata %s)",
-                    proc.pid,
-                    self.rpc_address,
-                    self.metadata_server,
-                )
-                return
-            if time.monotonic() >= deadline:
-                self._shutdown()
-                reason = f"not ready within {self.start_timeout_s:.1f} s"
-                raise MasterStartError(reason, None, attempt, self.log_tail)
-            time.sleep(_POLL_S)
 
-    def _start_reader(self, proc: subprocess.Popen[bytes]) -> threading.Thread:
-        stream = proc.stdout
-        if stream is None:  # pragma: no cover - Popen got stdout=PIPE
-            msg = "no stdout pipe"
-            raise MasterStartError(msg, None, 0, ())
-        name = f"{__name__}.{self.ports.rpc}"
-        thread = threading.Thread(
-            target=_forward_lines,
-            args=(stream, logging.getLogger(name), self.log_level, self._tail),
-            name=f"mooncake-master-log-{proc.pid}",
-            daemon=True,
+        def fail(reason: str, rc: int | None) -> MasterStartError:
+            if rc is not None:
+                reason = f"exited with status {rc} before becoming ready"
+            return MasterStartError(reason, rc, attempt, self.log_tail)
+
+        self._await_ready(proc, self.is_ready, self.start_timeout_s, fail)
+        self._state = MasterState.RUNNING
+        log.info(
+            "mooncake_master pid %d ready at %s (metadata %s)",
+            proc.pid,
+            self.rpc_address,
+            self.metadata_server,
         )
-        thread.start()
-        return thread
 
     def _shutdown(self) -> int | None:
-        proc, self._proc = self._proc, None
-        finalizer, self._finalizer = self._finalizer, None
-        if finalizer is not None:
-            finalizer.detach()
-        if proc is None:
+        stopped = self._release()
+        if stopped is None:
             return None
-        rc = _stop_process(proc, self.stop_timeout_s)
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.join(timeout=1.0)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        pid, rc = stopped
         self._state = MasterState.STOPPED
-        log.debug("mooncake_master pid %d exited with %s", proc.pid, rc)
+        log.debug("mooncake_master pid %d exited with %s", pid, rc)
         return rc
 
 

@@ -124,12 +124,21 @@ def probe_tcp(host: str, port: int, timeout_s: float) -> None:
 
 
 def _probe_master(config: StoreConfig) -> None:
-    """Fail fast if nothing accepts TCP connections at the master address."""
+    """Fail fast if nothing accepts TCP connections at the master address.
+
+    An ``etcd://`` (HA) address passes when any of its etcd endpoints
+    accepts a connection.
+    """
     timeout = min(config.rpc_timeout_ms / 1000, 2.0)
-    try:
-        probe_tcp(config.master_host, config.master_port, timeout)
-    except OSError as exc:
-        reason = f"cannot connect to the master RPC port: {exc}"
-        raise StoreUnavailable(
-            config.master_server_address, None, reason
-        ) from exc
+    errors: list[str] = []
+    for endpoint in config.master_endpoints:
+        host, _, port = endpoint.rpartition(":")
+        try:
+            probe_tcp(host.strip("[]"), int(port), timeout)
+        except OSError as exc:
+            errors.append(f"{endpoint}: {exc}")
+        else:
+            return
+    what = "etcd endpoint" if config.master_ha else "master RPC port"
+    reason = f"cannot connect to the {what}: {'; '.join(errors)}"
+    raise StoreUnavailable(config.master_server_address, None, reason)

@@ -7,8 +7,10 @@ of decoding requests, and adds bursts of N new requests at once (N = 64,
 256, 1024).  Each burst mixes four kinds of request (`KINDS`):
 
 - ``store_hit`` (40 %): the prompt starts with one of a few shared
-  prefixes, stored in a real embedded `mooncake_master` before the burst
-  arrives;
+  prefixes, stored in a real embedded `mooncake_master` as the burst
+  arrives (fresh prefixes each burst, none of them a running request's:
+  vLLM's local prefix cache holds none of their blocks, so the
+  connector's lookup finds them and a load fills them);
 - ``cold`` (30 %): a unique prompt;
 - ``full_local_hit`` (15 %): a running request's prompt again, so vLLM's
   local prefix cache holds every block a load could fill;
@@ -26,7 +28,13 @@ Four set-ups run side by side, the same requests, one after the other:
 
 ``--modes ...,layerwise`` adds ``ours`` with layer-wise loads
 (``layerwise_load_max_blocks`` = `LAYERWISE_BLOCKS`): a store hit is
-scheduled in the step it is admitted.
+scheduled in the step its lookup answers, not a step later.  In both
+modes a prompt whose blocks vLLM does not hold (``store_hit`` and
+``cold`` alike) waits one step first: its lookup is asynchronous
+(``get_num_new_matched_tokens`` answers None while the lookup thread asks
+the master; no scheduler hook waits for the master), so
+``extra_steps_to_schedule`` is 1 for both kinds; what layer-wise loads
+remove is the step in ``WAITING_FOR_REMOTE_KVS`` (``extra_steps_to_run``).
 
 Per (N, set-up), over the bursts: ``connector_us_per_admission`` (all time
 inside the connector's hooks, on the scheduler thread, from the burst's
@@ -36,7 +44,11 @@ request of that kind waited past the step it arrived in until admitted:
 scheduled, or loading in ``WAITING_FOR_REMOTE_KVS``, where ``none``
 schedules the whole burst at once), ``extra_steps_to_run`` (the same,
 until scheduled to run a forward pass: an asynchronous load's step
-counts, a layer-wise load's does not), and ``step_ms_p50``/``step_ms_p99``
+counts, a layer-wise load's does not), ``requests_with_external_hits``
+(per kind, the requests vLLM admitted with tokens from the store: every
+``store_hit`` with asynchronous loads; with layer-wise ones, a request
+whose prefix an earlier request of the burst loaded in the same step
+finds it in vLLM's local cache instead), and ``step_ms_p50``/``step_ms_p99``
 over those steps (`schedule()` + `update_from_output()`).  Between the
 two, each step sleeps ``--forward-ms`` (1 ms by default, not timed) in
 place of the forward pass, during which an engine's thread releases the
@@ -120,7 +132,7 @@ OUTAGE_RUNS = ("outage", "outage_sigstop", "outage_blackhole")
 _MAX_STEPS = 50  # per burst, to be scheduled
 
 
-def _prefixes(seed: int) -> list[list[int]]:
+def _prefixes(seed: int | str) -> list[list[int]]:
     rng = random.Random(f"prefixes/{seed}")
     return [random_tokens(rng, PREFIX_BLOCKS * BLOCK) for _ in range(PREFIXES)]
 
@@ -282,10 +294,25 @@ class Run:
 
         freeze_gc_heap()
         self.timer = SlowestHook(self.connector) if self.connector else None
+        #: Requests vLLM allocated with external (store) tokens; counted
+        #: outside the timed hook.
+        self.external: set[str] = set()
+        if self.connector is not None:
+            self._count_external(self.connector)
         self.worker = StandInWorker(self.base)
         self.steps = 0
         self.finished = 0
         self.ran: set[str] = set()
+
+    def _count_external(self, connector: Any) -> None:
+        timed = connector.update_state_after_alloc
+
+        def counted(request: Any, blocks: Any, num_external: int) -> None:
+            if num_external:
+                self.external.add(request.request_id)
+            timed(request, blocks, num_external)
+
+        connector.update_state_after_alloc = counted
 
     @property
     def connector_s(self) -> float:
@@ -324,6 +351,7 @@ class Run:
         # driver (a heap growing with every request would make the
         # collector's full passes ever longer, in whatever hook runs).
         self.h.forget(so.finished_req_ids)
+        self.external -= so.finished_req_ids
         self.ran = {r.req_id for r in so.scheduled_new_reqs}
         return total, self.ran | self._loading()
 
@@ -373,6 +401,7 @@ def measure(
         extra_steps: dict[str, int] = dict.fromkeys(KINDS, 0)
         extra_run: dict[str, int] = dict.fromkeys(KINDS, 0)
         step_s: list[float] = []
+        loaded: dict[str, int] = dict.fromkeys(KINDS, 0)
         running = [
             list(r.prompt_token_ids)
             for r in run.scheduler.requests.values()
@@ -381,10 +410,16 @@ def measure(
         for k in range(repeats):
             missed = _miss_prefixes(run, rng, k)
             before = run.connector_s
+            # Not the running set's prefixes (vLLM's local prefix cache
+            # holds those: such a request's connector lookup has nothing
+            # left to find), nor an earlier burst's (loaded since).
+            stored = _prefixes(f"stored/{burst}/{k}")
             burst_of = _burst(
-                rng, burst, stored=prefixes, running=running, missed=missed
+                rng, burst, stored=stored, running=running, missed=missed
             )
-            waited, ran, admitted_s = _admit(run, writer, k, burst_of, step_s)
+            waited, ran, admitted_s = _admit(
+                run, writer, k, burst_of, step_s, loaded=loaded
+            )
             per_admission.append((admitted_s - before) / burst)
             for kind, n in waited.items():
                 extra_steps[kind] = max(extra_steps[kind], n)
@@ -400,6 +435,7 @@ def measure(
             ),
             "extra_steps_to_schedule": extra_steps,
             "extra_steps_to_run": extra_run,
+            "requests_with_external_hits": loaded,
             "step_ms_p50": round(percentile(step_s, 50) * 1e3, 3),
             "step_ms_p99": round(percentile(step_s, 99) * 1e3, 3),
         }
@@ -413,8 +449,13 @@ def _admit(
     repeat: int,
     burst: list[tuple[str, list[int]]],
     step_s: list[float],
+    *,
+    loaded: dict[str, int] | None = None,
 ) -> tuple[dict[str, int], dict[str, int], float]:
     """Add `burst` at once, step until all of it ran a forward pass.
+
+    `loaded` counts, per kind, the requests vLLM admitted with external
+    (store) tokens: a ``store_hit`` the lookup answered as a miss shows.
 
     Returns, per kind, the most steps a request of it waited past the
     step it arrived in: until admitted (scheduled, or loading in
@@ -442,6 +483,8 @@ def _admit(
             waited[req_id] = n
         for req_id in not_run & run.ran:
             ran[req_id] = n
+            if loaded is not None and req_id in run.external:
+                loaded[kinds[req_id]] += 1
         if waiting and not waiting - admitted:
             admitted_s = run.connector_s
         waiting -= admitted
@@ -451,13 +494,15 @@ def _admit(
     if not_run:
         msg = f"{run.mode} N={len(burst)}: {len(not_run)} never scheduled"
         raise RuntimeError(msg)
+    return _most(kinds, waited), _most(kinds, ran), admitted_s
+
+
+def _most(kinds: dict[str, str], steps: dict[str, int]) -> dict[str, int]:
+    """Per kind, the most steps any request of it took."""
     most: dict[str, int] = {}
-    most_run: dict[str, int] = {}
-    for req_id, n in waited.items():
+    for req_id, n in steps.items():
         most[kinds[req_id]] = max(most.get(kinds[req_id], 0), n)
-    for req_id, n in ran.items():
-        most_run[kinds[req_id]] = max(most_run.get(kinds[req_id], 0), n)
-    return most, most_run, admitted_s
+    return most
 
 
 def _miss_prefixes(

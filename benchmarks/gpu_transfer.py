@@ -14,13 +14,22 @@ registered once):
   a contiguous device tensor and pinned host memory (the PCIe floor).
 
 Medians over `--reps` (GB/s = 1e9 B/s), and each path's ratio to its
-floor.  Without a CUDA device it prints ``{"device": null, ...}`` and
-exits 0, so the GPU check can be validated anywhere.
+floor.  ``phases`` breaks both paths down, each phase timed alone with
+the transfer's own pieces and sizes (one job of `--blocks` blocks, one
+staging buffer of them, registered): ``save`` = ``device_gather`` (every
+layer's K/V piece of the blocks packed on the device), ``d2h`` (the packed
+blocks into pinned staging, one copy), ``put`` (the store's put from
+staging); ``load`` = ``get`` (into pinned staging), ``h2d`` (one copy to
+the device), ``device_scatter`` (every piece into its blocks); each in ms
+and GB/s, and its share of the phases' sum.  Without a CUDA device it
+prints ``{"device": null, ...}`` and exits 0, so the GPU check can be
+validated anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -81,6 +90,128 @@ def _floor(nbytes: int, reps: int, where: str) -> tuple[float, float]:
     return _median_gbps(nbytes, d2h), _median_gbps(nbytes, h2d)
 
 
+def _timed(device: str, work: Any) -> float:
+    """Seconds of `work()`, device work included."""
+    _sync(device)
+    started = time.perf_counter()
+    work()
+    _sync(device)
+    return time.perf_counter() - started
+
+
+def _store_call(
+    op: Any, out: list[bool], *, regions: Any, keys: list[str]
+) -> None:
+    out.extend(op(keys, regions).succeeded)
+
+
+def _phases(
+    transfer: Any,
+    client: Any,
+    sources: list[int],
+    targets: list[int],
+    *,
+    reps: int,
+    device: str,
+) -> dict[str, Any]:
+    """Each phase of a staged save and load, timed alone (see above)."""
+    import torch  # noqa: PLC0415
+
+    from connector.store import Regions  # noqa: PLC0415
+
+    pieces = transfer.pieces
+    k, block_bytes = len(sources), transfer.block_bytes
+    offsets = [0]
+    for p in pieces[:-1]:
+        offsets.append(offsets[-1] + p.nbytes)
+    staging = torch.empty(
+        (k, block_bytes), dtype=torch.uint8, pin_memory=device == "cuda"
+    )
+    client.register_tensor(staging)
+    packed = torch.empty((k, block_bytes), dtype=torch.uint8, device=device)
+    regions = Regions.blocks(staging.data_ptr(), block_bytes, range(k))
+    times: dict[str, list[float]] = {
+        n: []
+        for n in (
+            "device_gather",
+            "d2h",
+            "put",
+            "get",
+            "h2d",
+            "device_scatter",
+        )
+    }
+
+    first, target = sources[0], targets[0]
+    # One run each way, as a prefill's: `Staged` and `LoadStaging` copy a
+    # run of consecutive blocks as one slice per piece.
+    assert sources == list(range(first, first + k))
+    assert targets == list(range(target, target + k))
+
+    def gather() -> None:
+        for piece, off in zip(pieces, offsets, strict=True):
+            part = piece.view[first : first + k].reshape(k, -1)
+            packed[:, off : off + piece.nbytes].copy_(part.view(torch.uint8))
+
+    def scatter() -> None:
+        for piece, off in zip(pieces, offsets, strict=True):
+            view = piece.view
+            part = (
+                packed[:, off : off + piece.nbytes]
+                .view(view.dtype)
+                .reshape(k, *view.shape[1:])
+            )
+            view[target : target + k].copy_(part)
+
+    try:
+        for rep in range(reps):
+            keys = [f"phase-{uuid.uuid4().hex[:8]}-{rep}-{b}" for b in sources]
+            times["device_gather"].append(_timed(device, gather))
+            times["d2h"].append(
+                _timed(
+                    device, lambda: staging.copy_(packed, non_blocking=True)
+                )
+            )
+            put: list[bool] = []
+            got: list[bool] = []
+            call = functools.partial(_store_call, regions=regions, keys=keys)
+            times["put"].append(
+                _timed(device, functools.partial(call, client.put, put))
+            )
+            times["get"].append(
+                _timed(device, functools.partial(call, client.get, got))
+            )
+            times["h2d"].append(
+                _timed(
+                    device, lambda: packed.copy_(staging, non_blocking=True)
+                )
+            )
+            times["device_scatter"].append(_timed(device, scatter))
+            client.remove(keys, force=True)
+            if not (all(put) and all(got)):
+                msg = f"phases rep {rep}: a put or get failed"
+                raise RuntimeError(msg)
+    finally:
+        client.unregister(staging.data_ptr())
+    nbytes = k * block_bytes
+    med = {n: statistics.median(v) for n, v in times.items()}
+    out: dict[str, Any] = {}
+    for path, names in (
+        ("save", ("device_gather", "d2h", "put")),
+        ("load", ("get", "h2d", "device_scatter")),
+    ):
+        total = sum(med[n] for n in names)
+        out[path] = {
+            n: {
+                "ms": round(med[n] * 1e3, 3),
+                "gbps": round(nbytes / med[n] / 1e9, 3),
+                "share": round(med[n] / total, 3),
+            }
+            for n in names
+        }
+    return out
+
+
 def measure(blocks: int, reps: int, device: str = "cuda") -> dict[str, Any]:
     """Save and load `blocks` blocks `reps` times each; the JSON row.
 
@@ -137,6 +268,9 @@ def measure(blocks: int, reps: int, device: str = "cuda") -> dict[str, Any]:
             same = all(
                 torch.equal(t[:, sources], t[:, targets]) for t in kv.values()
             )
+            phases = _phases(
+                transfer, client, sources, targets, reps=reps, device=device
+            )
     save, load = _median_gbps(nbytes, saves), _median_gbps(nbytes, loads)
     return {
         "device": torch.cuda.get_device_name(0)
@@ -159,6 +293,7 @@ def measure(blocks: int, reps: int, device: str = "cuda") -> dict[str, Any]:
         "save_vs_floor": round(save / floor_d2h, 3),
         "load_vs_floor": round(load / floor_h2d, 3),
         "loaded_bytes_equal_saved": same,
+        "phases": phases,
     }
 
 

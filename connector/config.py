@@ -734,6 +734,26 @@ class LoadConfig:
         ),
     )
 
+    layerwise_save_blocks: int = attrs.field(
+        default=0,
+        validator=[of_type(int), not_negative],
+        metadata=key_help(
+            "Layer-wise saves: a step's saves go to the save thread at the "
+            "step's first ``save_kv_layer``, which gathers each layer's KV "
+            "into staging as that layer's compute ends and puts each "
+            "block's one object once its last layer is in, so a long "
+            "prefill's save is mostly done when its forward pass ends. "
+            "The save staging holds this many blocks (at least 32; host "
+            "KV caches, zero copy otherwise, are staged too): a step's "
+            "first this-many saved blocks overlap the forward, the rest "
+            "are gathered after it. Blocks stay pinned until saved. Lanes "
+            "of hybrid, head-sharded or replicated layouts save after the "
+            "forward. ``0`` (the default): every save starts after the "
+            "forward pass.",
+            coerce_int,
+        ),
+    )
+
     @property
     def timeout_s(self) -> float | None:
         """The load deadline in seconds, or None when off."""

@@ -31,6 +31,11 @@ def test_tiny_run_prints_sane_json(capsys, master_binary):
         assert row["arrivals"] == 8
         assert row["connector_us_per_admission"] >= 0
         assert 0 < row["step_ms_p50"] <= row["step_ms_p99"]
+        hits = row["requests_with_external_hits"]
+        # Store hits are loaded from the store (not vLLM's local cache);
+        # only ours loads anything.
+        assert (hits["store_hit"] > 0) == (row["mode"] == "ours"), row
+        assert hits["cold"] == hits["recent_miss"] == 0, row
     for key in admission.OUTAGE_RUNS:
         run = doc[key]
         assert run["master_restarted"], (key, run)

@@ -473,6 +473,7 @@ def test_connector_keys_derive_from_the_fields():
         "transfer_timeout",
         "peer_probe_s",
         "layerwise_load_max_blocks",
+        "layerwise_save_blocks",
         "store_tp_size",
         "enable_store_tp_lcm",
         "prefill_tp_sizes",

@@ -10,6 +10,8 @@ the master holds with what kernels wrote:
 * a save issued right after a long kernel chain on the compute stream,
   without synchronizing: the saved bytes are what the chain wrote, not
   the zeros that were there before (the save waits on the layers' events);
+* the same with layer-wise saves (each layer gathered after its own
+  event, while later layers still compute);
 * a load whose blocks a kernel on the compute stream reads as soon as the
   load is reported received.
 """
@@ -182,6 +184,47 @@ def test_save_is_ordered_after_the_layers_compute(make, job, store_client):
     # And the KV really holds the expected values (not zeros).
     name = next(iter(kv))
     assert torch.equal(kv[name][0][ids], expected[name][0])
+
+
+def test_layerwise_save_is_ordered_after_each_layers_compute(
+    make, job, store_client
+):
+    """Layer-wise saves: the save thread gathers each layer as soon as its
+    `save_kv_layer` ran, on its side stream after that layer's event;
+    the bytes are still what each layer's kernel chain wrote."""
+    kv = gpu_kv(fill=False)
+    w = make(kv, staging_blocks=8, layerwise_saves=True)
+    assert w.layerwise_saves
+    blocks = list(range(8))
+    ids = torch.tensor(blocks, device="cuda")
+    save = job(1, SAVE, "r", 0, blocks, [f"lw{i}" for i in blocks])
+    meta = ConnectorMeta(step=1, jobs=(save,))
+    chain = torch.randn(4096, 4096, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    torch.cuda.synchronize()
+    w.handle_preemptions(meta)
+    w.start_load_kv(meta)
+    for name, t in kv.items():
+        for _ in range(12):
+            chain = torch.tanh(chain @ chain)
+        zero = (chain[0, 0] * 0).to(torch.bfloat16)
+        value = torch.randn(
+            (2, len(blocks), TOKENS, HEADS, HEAD_DIM),
+            generator=gen,
+            device="cuda",
+        ).to(torch.bfloat16)
+        for half in range(2):
+            t[half].index_copy_(0, ids, value[half] + zero)
+        w.save_kv_layer(name, meta)
+    w.wait_for_save(meta)
+    assert [JobResult(1, ok=1)] == settle(w, 1, timeout=120)[1]
+    got = stored_bytes(
+        store_client, w, save.block_hashes, w.transfer.block_bytes
+    )
+    torch.cuda.synchronize()
+    for row, b in zip(got, blocks, strict=True):
+        assert torch.equal(row, host_bytes(kv, b)), f"block {b} saved early"
+    assert all(p.any() for b in blocks for p in pieces(kv, b))
 
 
 def test_load_is_visible_to_the_next_kernel(make, job, store_client):

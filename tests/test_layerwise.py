@@ -39,11 +39,12 @@ def make(extra, harnesses):
     pytest.importorskip("vllm")
     from harness import Harness  # noqa: PLC0415
 
-    def _make(max_blocks=8, timeout=TIMEOUT_S, **kwargs):
+    def _make(max_blocks=8, timeout=TIMEOUT_S, save_blocks=0, **kwargs):
         conf = {
             **extra,
             "transfer_timeout": timeout,
             "layerwise_load_max_blocks": max_blocks,
+            "layerwise_save_blocks": save_blocks,
         }
         h = Harness(CONNECTOR, extra_config=conf, **kwargs)
         harnesses.append(h)
@@ -236,3 +237,51 @@ def test_tp_ranks_finish_their_layer_loads_at_different_times(make):
         assert (w.jobs_done[LOAD], w.jobs_failed[LOAD]) == (1, 0)
     assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
     assert_clean(b)
+
+
+def _saved_layerwise(h):
+    """`h` saved through staging, layer by layer, and every save ended."""
+    w = h.worker_connector.worker_side
+    assert w.layerwise_saves
+    assert hasattr(w.transfer, "layer_waits")  # staged, host caches too
+    assert w.jobs_done[JobKind.SAVE] >= 1
+    assert w.jobs_failed[JobKind.SAVE] == 0
+
+
+def test_layerwise_saves_store_the_recomputed_kv(make):
+    """A saves with layer-wise saves on (CPU caches staged); B, with no
+    local prefix cache, loads it layer-wise: the harness checks each
+    layer's KV against the recomputed KV when its attention runs, so
+    the bytes A stored are what recomputation writes."""
+    a = make(save_blocks=8, num_blocks=40)
+    a.add_request("a", prompt(7, PREFIX), max_tokens=2)
+    run(a)
+    _saved_layerwise(a)
+    b = make(num_blocks=40, enable_prefix_caching=False)
+    b.add_request("b", [*prompt(7, PREFIX), 5], max_tokens=4)
+    run(b)
+    assert b.external_hit_tokens == PREFIX
+    w = b.worker_connector.worker_side
+    assert (w.jobs_done[LOAD], w.layer_loads_expired) == (1, 0)
+    assert_clean(a)
+    assert_clean(b)
+
+
+def test_a_request_loading_and_saving_layerwise(make):
+    """B loads A's prefix layer-wise and saves its own new blocks
+    layer-wise in the same steps; C loads all of B's prompt and checks
+    every layer (the whole chain's KV is the recomputed KV)."""
+    store_prefix(make, 8, PREFIX)
+    b = make(save_blocks=8, num_blocks=40, enable_prefix_caching=False)
+    longer = [*prompt(8, PREFIX), *prompt(9, 2 * 16)]
+    b.add_request("b", longer, max_tokens=2)
+    run(b)
+    _saved_layerwise(b)
+    assert b.external_hit_tokens == PREFIX
+    c = make(max_blocks=16, num_blocks=40, enable_prefix_caching=False)
+    c.add_request("c", [*longer, 5], max_tokens=2)
+    run(c)
+    assert c.external_hit_tokens == len(longer)
+    assert c.worker_connector.worker_side.layer_loads_expired == 0
+    assert_clean(b)
+    assert_clean(c)

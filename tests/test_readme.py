@@ -141,10 +141,8 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     expected["lookup_max_pending"] = lookups.max_pending
     expected["failed_load_ttl_s"] = lookups.failed_load_ttl_s
     expected["weights_version"] = IdentityConfig().weights_version
-    loads = LoadConfig()
-    expected["transfer_timeout"] = loads.transfer_timeout
-    expected["peer_probe_s"] = loads.peer_probe_s
-    expected["layerwise_load_max_blocks"] = loads.layerwise_load_max_blocks
+    for field in attrs.fields(LoadConfig):
+        expected[field.name] = field.default
     for field in attrs.fields(ParallelKVConfig):
         expected[field.name] = field.default
     expected["kv_events_medium"] = EventsConfig().medium

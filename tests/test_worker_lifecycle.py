@@ -370,6 +370,22 @@ class TestStaging:
         pieces = 2 if layout == "blocks_first" else 4
         assert 3 * pieces == save_ops.waits  # every piece of 3 chunks
 
+    @pytest.mark.parametrize("layout", ["blocks_first", "kv_first"])
+    def test_staged_save_gathers_runs_and_scattered_blocks(
+        self, make, job, store_client, layout
+    ):
+        """Runs of consecutive ids are copied as slices (two runs here),
+        scattered ids by an indexed gather: both store each block's
+        bytes in its own slot."""
+        kv = kv_caches(layout, seed=5)
+        w = make(kv, staging_blocks=8)
+        runs = job(1, SAVE, "a", 0, [9, 10, 11, 12, 0, 1, 2, 3], "abcdefgh")
+        scattered = job(2, SAVE, "b", 0, [13, 1, 7, 4], "ijkl")
+        step(w, ConnectorMeta(step=1, jobs=(runs, scattered)))
+        results = sorted(settle(w, 2)[1], key=lambda r: r.job_id)
+        assert [JobResult(1, ok=1), JobResult(2, ok=1)] == results
+        assert_saved(store_client, w, [runs, scattered], kv)
+
     def test_staged_load_scatters_only_the_blocks_that_arrived(
         self, make, job
     ):

@@ -157,6 +157,7 @@ def make_worker(
     staging_blocks=None,
     load_timeout_s=None,
     spawn=None,
+    layerwise_saves=False,
 ):
     """A worker over `kv` whose keys live in the test's own namespace."""
     probe = next(iter(kv.values()))
@@ -184,6 +185,7 @@ def make_worker(
         register=client.register,
         staging_blocks=staging_blocks,
         load_timeout_s=load_timeout_s,
+        layerwise_save_blocks=staging_blocks if layerwise_saves else 0,
         **({} if spawn is None else {"spawn": spawn}),
     )
 

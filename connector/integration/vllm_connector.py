@@ -506,6 +506,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer=lanes[0].transfer,
                 lanes=lanes,
                 load_timeout_s=self._loads.timeout_s,
+                layerwise_saves=self._loads.layerwise_save_blocks > 0,
             )
         else:
             self._worker = WorkerSide.for_kv_caches(
@@ -516,6 +517,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 Regions,
                 register=client.register,
                 load_timeout_s=self._loads.timeout_s,
+                layerwise_save_blocks=self._loads.layerwise_save_blocks,
             )
         self._registered.extend(self._worker.registered)
         self._stats.watch(self._worker.machine)
@@ -644,7 +646,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         """Mark the layer written: its saves copy it only after now."""
         del kv_layer, attn_metadata, kwargs
         if self._worker is not None:
-            self._worker.save_kv_layer(layer_name)
+            self._worker.save_kv_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         """Queue this step's saves after the forward pass wrote the KV."""

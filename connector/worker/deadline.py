@@ -348,7 +348,7 @@ class LoadStaging:
         ops = self.ops
         k = len(slots)
         targets = [chunk[i] for i in slots]
-        runs = _runs(targets)
+        runs = block_runs(targets)
         with ops.side():
             rows = buffer[: len(chunk)]
             if k < len(chunk):
@@ -376,7 +376,7 @@ class LoadStaging:
             ops.sync()
 
 
-def _runs(targets: Sequence[int]) -> list[tuple[int, int, int]]:
+def block_runs(targets: Sequence[int]) -> list[tuple[int, int, int]]:
     """(first target, first row, length) of each run of consecutive ids."""
     runs: list[tuple[int, int, int]] = []
     for row, target in enumerate(targets):

@@ -77,6 +77,7 @@ from connector.worker.pieces import (
     Register,
 )
 from connector.worker.transfer import (
+    DEFAULT_STAGING_BLOCKS,
     Direct,
     KVLayout,
     Segment,
@@ -215,8 +216,14 @@ class WorkerSide:
         lanes: Sequence[Lane] = (),
         spawn: Spawn = daemon_thread,
         load_timeout_s: float | None = None,
+        layerwise_saves: bool = False,
     ) -> None:
         self._store = store
+        self.layerwise_saves = layerwise_saves
+        # Save jobs queued early this step by `save_kv_layer` (forward
+        # thread); `wait_for_save` queues the rest.
+        self._early_saves: set[int] = set()
+        self._early_step = -1
         self.load_timeout_s = load_timeout_s
         self._keys = keys
         self.layout = layout
@@ -296,17 +303,24 @@ class WorkerSide:
         machine: KVMachine | None = None,
         spawn: Spawn = daemon_thread,
         load_timeout_s: float | None = None,
+        layerwise_save_blocks: int = 0,
     ) -> WorkerSide:
         """A worker over vLLM's KV tensors, their memory registered once.
 
         CUDA caches go through pinned staging (see
         `connector.worker.transfer`); host caches are zero copy unless
         `staging_blocks` is given; with `load_timeout_s`, loads go
-        through staging so a late one never writes into the cache.
+        through staging so a late one never writes into the cache.  With
+        `layerwise_save_blocks`, saves are layer-wise and the staging
+        (host caches too) holds at least that many blocks.
 
         Raises:
             ValueError: the KV tensors fit no known layout.
         """
+        if layerwise_save_blocks:
+            staging_blocks = max(
+                staging_blocks or DEFAULT_STAGING_BLOCKS, layerwise_save_blocks
+            )
         transfer = open_transfer(
             kv_caches,
             num_blocks,
@@ -325,6 +339,7 @@ class WorkerSide:
             machine=machine,
             spawn=spawn,
             load_timeout_s=load_timeout_s,
+            layerwise_saves=layerwise_save_blocks > 0,
         )
 
     @property
@@ -365,10 +380,40 @@ class WorkerSide:
         if self._layer_open:
             self._settle_layer_loads()
 
-    def save_kv_layer(self, layer_name: str) -> None:
-        """The forward wrote this layer: saves copy it only after now."""
+    def save_kv_layer(
+        self, layer_name: str, meta: ConnectorMeta | None = None
+    ) -> None:
+        """The forward wrote this layer: saves copy it only after now.
+
+        With `layerwise_saves`, the first layer of a step with pinned
+        saves queues them now, each lane's fence filled layer by layer
+        (`Staged.layer_waits`), so their gathers follow the forward.
+        """
+        if self.layerwise_saves and meta is not None:
+            self._queue_saves_early(meta)
         for lane in self.lanes:
             lane.transfer.layer_written(layer_name)
+
+    def _queue_saves_early(self, meta: ConnectorMeta) -> None:
+        """Queue `meta`'s pinned saves with per-layer fences, once."""
+        if self._closed or meta.step <= self._early_step:
+            return  # this step's layers after its first
+        self._early_step = meta.step
+        if meta.step <= self._save_step:
+            return
+        if not all(hasattr(ln.transfer, "layer_waits") for ln in self.lanes):
+            return  # zero copy: nothing to stage before the forward ends
+        jobs = [j for j in meta.jobs if j.kind is JobKind.SAVE and j.pinned]
+        if not jobs:
+            return
+        self._accept_meta(meta)
+        self._save_step = meta.step
+        lanes = self._lanes_for(meta)
+        fence = tuple(lane.transfer.layer_waits() for lane in lanes)
+        for job in jobs:
+            self._early_saves.add(job.job_id)
+            if self._accept(job):
+                self._enqueue(JobKind.SAVE, (job, fence, lanes, None))
 
     def wait_for_save(self, meta: ConnectorMeta | None) -> None:
         """Queue this step's saves, now that the forward pass wrote them.
@@ -385,11 +430,16 @@ class WorkerSide:
         if meta is None or self._closed:
             return
         self._accept_meta(meta)
-        if meta.step <= self._save_step:
+        if meta.step < self._save_step or (
+            meta.step == self._save_step and not self._early_saves
+        ):
             return
         self._save_step = meta.step
+        early, self._early_saves = self._early_saves, set()
         for job in meta.jobs:
-            if job.kind is not JobKind.SAVE or not self._accept(job):
+            if job.kind is not JobKind.SAVE or job.job_id in early:
+                continue
+            if not self._accept(job):
                 continue
             lanes = self._lanes_for(meta)
             if job.pinned:
@@ -565,6 +615,7 @@ class WorkerSide:
         if not self._closed:
             self._closed = True
             self._cancel_queued()
+            self._drop_layer_waits()
             for kind in JobKind:
                 self._queues[kind].put(None)
             self._layer_queue.put(None)
@@ -783,6 +834,13 @@ class WorkerSide:
                 self._idle.wait(left)
         return self._late_gets_done(deadline)
 
+    def _drop_layer_waits(self) -> None:
+        """A save waiting for a layer the forward will not end: it fails."""
+        for lane in self.lanes:
+            drop = getattr(lane.transfer, "drop_layer_waits", None)
+            if drop is not None:
+                drop()
+
     def _late_gets_done(self, deadline: float) -> bool:
         """Wait until no load staging buffer is held by a late get."""
         while True:
@@ -815,6 +873,7 @@ class WorkerSide:
             Whether no transfer is running (False: one is stuck in the
             store and may still touch the KV memory).
         """
+        self._drop_layer_waits()
         idle = self.drain(timeout)
         self._suspended = True
         if not idle:

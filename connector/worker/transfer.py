@@ -34,12 +34,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 
-from connector.worker.deadline import Deadline, LoadStaging
+from connector.worker.deadline import (
+    RUN_COPY_RATIO,
+    Deadline,
+    LoadStaging,
+    block_runs,
+)
 from connector.worker.pieces import (
     BlockStore,
     CopyWaits,
@@ -57,6 +63,94 @@ if TYPE_CHECKING:
 
 DEFAULT_STAGING_BLOCKS: Final = 32
 """Blocks per staging buffer (one buffer for loads, one for saves)."""
+
+LAYER_WAIT_S: Final = 60.0
+"""Longest a layer-wise save waits for one layer's forward (then fails)."""
+
+
+class LayerWaits:
+    """A step's save fence, filled layer by layer as the forward ends each.
+
+    The forward thread reports each layer (`written`, from
+    `save_kv_layer`) and closes it with the step's fence (`close`, from
+    `wait_for_save`); a save thread reads the per-piece marks in layer
+    order (`marks`), each as soon as its layer is written, so it gathers
+    layer i while the forward computes layer i+1.  A layer the forward
+    did not report gets the step's mark once closed.  Each wait is
+    bounded (`timeout_s`): past it `marks` raises `TimeoutError` (the
+    save fails; nothing is put).
+
+    Args:
+        layers: Per KV piece, its layer's name.
+        timeout_s: Longest wait for any one layer.
+    """
+
+    def __init__(
+        self, layers: Sequence[str], timeout_s: float = LAYER_WAIT_S
+    ) -> None:
+        self._layers = tuple(layers)
+        self._timeout_s = timeout_s
+        self._marks: dict[str, Any] = {}
+        self._fence: CopyWaits | None = None
+        self._dropped = False
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the step's forward ended (`close` ran)."""
+        return self._fence is not None
+
+    def written(self, layer: str, mark: Any) -> None:
+        """`layer`'s KV is written (after `mark`, None: already done)."""
+        with self._cond:
+            self._marks[layer] = mark
+            self._cond.notify_all()
+
+    def close(self, fence: CopyWaits) -> None:
+        """The forward ended: `fence` (per piece) covers every layer."""
+        with self._cond:
+            if self._fence is None:
+                self._fence = tuple(fence) or (None,) * len(self._layers)
+            self._cond.notify_all()
+
+    def drop(self) -> None:
+        """Give up (shutdown, sleep): a waiting `marks` raises now."""
+        with self._cond:
+            self._dropped = True
+            self._cond.notify_all()
+
+    def marks(self) -> Iterator[Any]:
+        """Per piece in layer order, its mark once its layer is written.
+
+        Raises:
+            TimeoutError: a layer not written within `timeout_s`.
+            RuntimeError: dropped before its layer was written.
+        """
+        for i, layer in enumerate(self._layers):
+            end = time.monotonic() + self._timeout_s
+            with self._cond:
+                while layer not in self._marks and self._fence is None:
+                    if self._dropped:
+                        msg = f"layer {layer!r}: save dropped"
+                        raise RuntimeError(msg)
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        msg = f"layer {layer!r} not written in time"
+                        raise TimeoutError(msg)
+                    self._cond.wait(left)
+                if layer in self._marks:
+                    mark = self._marks[layer]
+                else:
+                    assert self._fence is not None
+                    mark = self._fence[i]
+            yield mark
+
+
+SaveWaits = CopyWaits | LayerWaits
+"""What a save waits for: the step's fence, or one filled layer by layer."""
 
 
 @attrs.frozen
@@ -219,10 +313,12 @@ class Direct:
         store: BlockStore,
         keys: Sequence[str],
         block_ids: Sequence[int],
-        fence: CopyWaits,
+        fence: SaveWaits,
     ) -> list[bool]:
         """Put the blocks straight from the KV tensors."""
-        del fence
+        if isinstance(fence, LayerWaits):  # the put reads every layer
+            for _ in fence.marks():
+                pass
         regions = self._regions.pieces(*self.layout.pieces(block_ids))
         return store.put(keys, regions).succeeded
 
@@ -436,6 +532,7 @@ class Staged:
             pieces, regions, ops(), slots=slots, register=register
         )
         self._marks: dict[str, Any] = {}
+        self._feed: LayerWaits | None = None
 
     @property
     def registered(self) -> tuple[int, ...]:
@@ -446,6 +543,11 @@ class Staged:
     def slots(self) -> int:
         """Blocks per staging buffer."""
         return self._saves.slots
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        """The KV cache's blocks-first piece views, in layer order."""
+        return self._pieces
 
     @property
     def ops(self) -> tuple[DeviceOps, DeviceOps]:
@@ -463,12 +565,40 @@ class Staged:
         mark = self._saves.ops.record()
         if mark is not None:
             self._marks[layer] = mark
+        if self._feed is not None:
+            self._feed.written(layer, mark)
 
     def fence(self) -> CopyWaits:
-        """Per piece, its layer's mark this step, else a step-wide one."""
+        """Per piece, its layer's mark this step, else a step-wide one.
+
+        Closes this step's `layer_waits`, if one was opened.
+        """
         marks, self._marks = self._marks, {}
         step = self._saves.ops.record()
-        return tuple(marks.get(p.layer, step) for p in self._pieces)
+        fence = tuple(marks.get(p.layer, step) for p in self._pieces)
+        if self._feed is not None:
+            self._feed.close(fence)
+            self._feed = None
+        return fence
+
+    def layer_waits(self) -> LayerWaits:
+        """This step's fence, filled as `layer_written` reports layers.
+
+        A save given it gathers each layer into staging as soon as the
+        forward wrote it; `fence` closes it.  Layers reported before
+        this call are in it already.
+        """
+        if self._feed is None:
+            self._feed = LayerWaits([p.layer for p in self._pieces])
+            for layer, mark in self._marks.items():
+                self._feed.written(layer, mark)
+        return self._feed
+
+    def drop_layer_waits(self) -> None:
+        """Fail a save still waiting on this step's layers (`LayerWaits`)."""
+        if self._feed is not None:
+            self._feed.drop()
+            self._feed = None
 
     # -- transfers (any thread) ---------------------------------------------
 
@@ -477,7 +607,7 @@ class Staged:
         store: BlockStore,
         keys: Sequence[str],
         block_ids: Sequence[int],
-        fence: CopyWaits,
+        fence: SaveWaits,
     ) -> list[bool]:
         """Gather into staging after `fence`, then put from it."""
         lane = self._saves
@@ -504,14 +634,23 @@ class Staged:
     def _slot_regions(self, lane: _Lane, count: int) -> Any:
         return self._regions.pieces(*lane.layout.pieces(range(count)))
 
-    def _gather(self, lane: _Lane, chunk: list[int], fence: CopyWaits) -> None:
-        """Copy `chunk`'s blocks into staging slots 0..k-1, then wait."""
+    def _gather(self, lane: _Lane, chunk: list[int], fence: SaveWaits) -> None:
+        """Copy `chunk`'s blocks into staging slots 0..k-1, then wait.
+
+        Layer by layer, each piece after its layer's mark: with
+        `LayerWaits`, as soon as the forward wrote that layer.  Runs of
+        consecutive block ids (a prefill's) are copied as slices, one copy
+        per run and piece; scattered ids, by one indexed gather per piece.
+        """
         import torch
 
         ops, k = lane.ops, len(chunk)
         rows = lane.buffer[:k]
+        runs = block_runs(chunk)
         with ops.side():
-            ids = torch.tensor(chunk, dtype=torch.int64, device=ops.device)
+            ids = None
+            if len(runs) * RUN_COPY_RATIO > k:  # scattered: one gather
+                ids = torch.tensor(chunk, dtype=torch.int64, device=ops.device)
             # Pack on the device (strided copies stay on the device), then
             # one contiguous copy into the pinned rows.
             same = rows.device == ops.device
@@ -522,15 +661,23 @@ class Staged:
                     (k, self.block_bytes), dtype=torch.uint8, device=ops.device
                 )
             )
-            marks = fence or (None,) * len(self._pieces)
+            marks: Iterable[Any] = (
+                fence.marks()
+                if isinstance(fence, LayerWaits)
+                else fence or (None,) * len(self._pieces)
+            )
             for piece, offset, mark in zip(
                 self._pieces, self._offsets, marks, strict=True
             ):
                 ops.wait(mark)
-                part = piece.view.index_select(0, ids).reshape(k, -1)
-                packed[:, offset : offset + piece.nbytes].copy_(
-                    part.view(torch.uint8)
-                )
+                columns = packed[:, offset : offset + piece.nbytes]
+                if ids is not None:
+                    part = piece.view.index_select(0, ids).reshape(k, -1)
+                    columns.copy_(part.view(torch.uint8))
+                    continue
+                for first, row, n in runs:  # consecutive blocks: a slice
+                    part = piece.view[first : first + n].reshape(n, -1)
+                    columns[row : row + n].copy_(part.view(torch.uint8))
             if not same:
                 rows.copy_(packed, non_blocking=True)
             ops.sync()

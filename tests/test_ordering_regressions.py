@@ -687,6 +687,19 @@ def test_lmcache1969_resumed_request_reloads_prefix(make, kind):
     for _ in range(3):
         h.step()
     h.add_request("b", [*tokens, 5], max_tokens=30)
+    if kind == OURS:
+        # `b` must be running when `a` outgrows the pool: on a loaded
+        # machine its asynchronous load could still be in flight after
+        # `a`'s next steps (then `a` itself is preempted and the story
+        # never happens).  Step until the load is queued, then let it end.
+        from vllm.v1.request import RequestStatus  # noqa: PLC0415
+
+        for _ in range(20):
+            h.step()
+            b = h.scheduler.requests.get("b")
+            if b is not None and b.status != RequestStatus.WAITING:
+                break
+        assert h.worker_connector.worker_side.drain(10.0)
     run(h)
     assert "b" in {r for _, r in h.preempted}
     missed = pytest.raises(AssertionError) if kind != OURS else None

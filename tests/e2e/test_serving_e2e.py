@@ -254,18 +254,31 @@ def wait_sharing_again(a, b, model, timeout_s=SHARING_TIMEOUT_S):
     """
     begin = time.monotonic()
     rng = random.Random(77)  # noqa: S311 - test data
-    while time.monotonic() - begin < timeout_s:
+    errors: list[str] = []  # a probe that failed is tried again, and told
+    while time.monotonic() - begin < timeout_s and len(errors) < 5:
         prompt = [rng.randrange(3, 512) for _ in range(96)]
-        asyncio.run(complete_all(a.url, model, [prompt]))
-        wait_drained(a)
-        before = external_hits(b)
-        asyncio.run(complete_all(b.url, model, [prompt]))
-        if wait_drained(b)["vllm:external_prefix_cache_hits_total"] > before:
+        try:
+            asyncio.run(complete_all(a.url, model, [prompt]))
+            wait_drained(a)
+            before = external_hits(b)
+            asyncio.run(complete_all(b.url, model, [prompt]))
+            hits = wait_drained(b)["vllm:external_prefix_cache_hits_total"]
+        except (
+            TimeoutError,
+            AssertionError,
+            OSError,
+            aiohttp.ClientError,
+        ) as exc:
+            errors.append(f"{time.monotonic() - begin:.1f} s: {exc!r}"[:500])
+            print("sharing probe failed, trying again:", errors[-1])
+            time.sleep(0.5)
+            continue
+        if hits > before:
             return time.monotonic() - begin
         time.sleep(0.25)
     pytest.fail(
         f"{b.url} loaded nothing {a.url} computed {timeout_s} s after "
-        "the master restart"
+        f"the master restart (failed probes: {errors})"
     )
 
 

@@ -157,31 +157,16 @@ def _fired(
     machine: LifecycleMachine[Any, Any, Any, Any],
     trackers: list[Any],
     cycle: tuple[Any, ...],
+    method: str = "fire",
 ) -> Callable[[], int]:
-    """Each tracker through `cycle` by `machine.fire`, from the initial."""
+    """Each tracker through `cycle` by `machine.<method>`, from the initial.
+
+    `method` is `fire` (the bool) or `fire_outcome` (what happened).
+    """
     initial = machine.table.initial
 
     def run() -> int:
-        fire = machine.fire
-        for t in trackers:
-            t.state = initial
-            for e in cycle:
-                fire(t, e)
-        return len(trackers) * len(cycle)
-
-    return run
-
-
-def _outcomes(
-    machine: LifecycleMachine[Any, Any, Any],
-    trackers: list[Any],
-    cycle: tuple[Any, ...],
-) -> Callable[[], int]:
-    """`_fired` through `fire_outcome` (what happened, not a bool)."""
-    initial = machine.table.initial
-
-    def run() -> int:
-        fire = machine.fire_outcome
+        fire = getattr(machine, method)
         for t in trackers:
             t.state = initial
             for e in cycle:
@@ -463,7 +448,7 @@ def main() -> None:
         "lifecycle_us": _fired(machine, kv(n), CYCLE),
         "lifecycle_unlocked_us": _fired(unlocked, kv(n), CYCLE),
         "lifecycle_illegal_us": _illegal(machine, n),
-        "lifecycle_outcome_us": _outcomes(machine, kv(n), CYCLE),
+        "lifecycle_outcome_us": _fired(machine, kv(n), CYCLE, "fire_outcome"),
         "transitions_us": _stock(machine, n),
         "transitions_per_model_us": _per_model(max(n // 10, 50)),
         "dict_us": _dict_moves(

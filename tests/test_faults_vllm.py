@@ -202,34 +202,57 @@ class TestMasterFaults:
 
 
 class TestStoreFaults:
-    def test_store_full_skips_saves(self, faulty):
-        """The real master refuses saves (-200) past a 16 MiB segment.
+    def test_store_full_skips_saves(self, start_master, unique):
+        """The real master refuses saves (-200) once its segment is full.
 
-        Sixteen 512-token prompts of 256 KiB blocks save twice the
-        segment's 64 blocks as fast as the harness steps: the master
-        answers STORE_FULL while its eviction catches up.  Refused
+        The 16 MiB segment holds 64 blocks of 256 KiB; 44 are taken by
+        hard-pinned objects (never evicted) and the master evicts only
+        when an allocation fails (high watermark 1.0), so the first 20
+        saved blocks fit and the rest meet STORE_FULL however fast or
+        slow the machine is.  (Without the pins the test raced the
+        master's background eviction and failed once on a slow CI
+        machine.)  Sixteen 512-token prompts save 128 blocks: refused
         saves are counted under STORE_FULL; requests finish, nothing
         leaks, no wrong KV.  (`tests/test_cluster.py` fills a pool of
         several instances.)
         """
-        _, make = faulty
-        h = make(
+        master = start_master(
+            lease_ttl_ms=500, eviction_high_watermark_ratio=1.0
+        )
+        config = store_extra(
+            master,
+            unique,
+            local_hostname="127.0.0.1",
+            rpc_timeout_ms=RPC_TIMEOUT_MS,
+            close_timeout_ms=1000,
+            setup_retries=1,
+            global_segment_size="16MiB",
+        )
+        h = Harness(
+            CONNECTOR,
+            extra_config=config,
             num_blocks=48,
             block_size=64,
             kv_width=512,  # 64 x 512 x 4 B x 2 layers = 256 KiB blocks
             max_num_batched_tokens=1024,
-            extra={"global_segment_size": "16MiB"},
         )
-        worker = h.worker_connector.worker_side
-        refused = count_store_full(h.worker_connector)
-        for i in range(16):
-            h.add_request(f"r{i}", prompt(200 + i, 512), max_tokens=2)
-        drive(h, deadline_s=120.0)
-        assert refused["keys"] >= 1
-        assert worker.jobs_failed[JobKind.SAVE] >= 1
-        assert worker.jobs_done[JobKind.SAVE] >= 1
-        assert h.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 16}
-        assert_clean(h)
+        try:
+            pin_fillers(h.worker_connector._client.raw, 44, 256 * 1024)
+            worker = h.worker_connector.worker_side
+            refused = count_store_full(h.worker_connector)
+            for i in range(16):
+                h.add_request(f"r{i}", prompt(200 + i, 512), max_tokens=2)
+            drive(h, deadline_s=120.0)
+            assert refused["keys"] >= 1
+            assert worker.jobs_failed[JobKind.SAVE] >= 1
+            assert worker.jobs_done[JobKind.SAVE] >= 1
+            assert h.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 16}
+            assert_clean(h)
+        finally:
+            h.close()
+            for c in (h.scheduler_connector, h.worker_connector):
+                if c._client is not None:
+                    c._client.close()
 
     @pytest.mark.parametrize("async_scheduling", [False, True])
     def test_fraction_of_transfers_fail(self, faulty, async_scheduling):
@@ -303,6 +326,16 @@ def scribble(regions, i):
         )
     for ptr, size in pieces:
         ctypes.memset(ptr, 0x5A, size)
+
+
+def pin_fillers(raw, count, nbytes):
+    """Put `count` hard-pinned objects of `nbytes` (eviction skips them)."""
+    pinned = pytest.importorskip("mooncake.store").ReplicateConfig()
+    pinned.with_hard_pin = True
+    value = bytes(nbytes)
+    for i in range(count):
+        rc = raw.put(f"filler-{i}-{time.monotonic_ns()}", value, pinned)
+        assert rc == 0, f"filler {i}: put returned {rc}"
 
 
 def count_store_full(connector):

@@ -10,12 +10,16 @@ scheduler, no engines) runs:
   while the leader master is SIGKILLed. Reported: requests and how many
   finished, mismatches (outputs that differ from recomputation, plus
   the harness's checks), ``failover_s`` (the leader's death to a new
-  leader serving), ``engine_resume_s`` (the leader's death to B's first
-  store hit: B's client follows the new leader through an etcd watch
-  that Mooncake re-syncs every 30 s), loads that failed during it, and,
-  once a leader serves again, the prompt tokens B loads from the store for the
-  prefixes stored before the failover (``hits_after_failover``) and
-  their share of the prefix tokens asked (``hit_fraction_after``).
+  leader serving; the set revokes the dead leader's etcd lease, see
+  `connector.ops.ha`), ``engine_resume_s`` (the leader's death to B's
+  first store hit: B's Mooncake client reconnects from its heartbeat
+  thread, after several failed pings of about 4.5 s each while it is
+  busy), loads that failed during it, and, once a leader serves again,
+  the prompt tokens B loads from the store for the prefixes stored
+  before the failover (``hits_after_failover``) and their share of the
+  prefix tokens asked (``hit_fraction_after``). With
+  ``--compare-lease-expiry`` the same scenario runs again without the
+  revoke (``master_failover_lease_expiry``), in the same run.
 - ``engine_restart``: one master and a node-level pool (the wheel's
   ``mooncake_client``: engines contribute no segment, vLLM's
   ``standalone-store``); A stores its prefixes and asks them again
@@ -81,13 +85,21 @@ def _kill_all(nodes: Sequence[Node]) -> None:
 
 
 def master_failover(
-    c: Cluster, *, prefixes: int, per_prefix: int, interval_s: float
+    c: Cluster,
+    *,
+    prefixes: int,
+    per_prefix: int,
+    interval_s: float,
+    fast_failover: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Leader SIGKILLed under load; returns (report, detail)."""
-    with HAMasters(masters=2, cluster_id="bench-ha") as ha:
-        ns = "ha"
+    tag = "fast" if fast_failover else "expiry"
+    with HAMasters(
+        masters=2, cluster_id=f"bench-ha-{tag}", fast_failover=fast_failover
+    ) as ha:
+        ns = f"ha-{tag}"
         more = {"cluster_id": ha.cluster_id, "breaker_probe_ms": 200}
-        a, b = c.spawn("HA-A", "HA-B")
+        a, b = c.spawn(f"HA-A-{tag}", f"HA-B-{tag}")
         try:
             seeds = list(range(1, prefixes + 1))
             a.call(
@@ -122,6 +134,7 @@ def master_failover(
             watcher = threading.Thread(target=watch, daemon=True)
             watcher.start()
             during = [b.receive(180)]
+            during_done_s = time.monotonic() - killed
             served.wait(70)
             # B's client follows the new leader through its etcd watch:
             # probe with one request until a stored prefix hits again.
@@ -160,6 +173,7 @@ def master_failover(
                 "during_hit_tokens": _hits(during[0]),
                 "after_requests_finished": finished(after),
                 "probes": probes,
+                "during_done_s": round(during_done_s, 2),
             }
             return report, detail
         finally:
@@ -226,6 +240,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 interval_s=args.interval,
             )
             report["master_failover"] = fo
+            if args.compare_lease_expiry:
+                slow, _ = master_failover(
+                    c,
+                    prefixes=args.prefixes,
+                    per_prefix=args.per_prefix,
+                    interval_s=args.interval,
+                    fast_failover=False,
+                )
+                report["master_failover_lease_expiry"] = slow
         if "restart" in args.only:
             pooled = engine_restart(
                 c,
@@ -285,6 +308,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         choices=("failover", "restart"),
         default=["failover", "restart"],
+    )
+    parser.add_argument(
+        "--compare-lease-expiry",
+        action="store_true",
+        help="also fail over without revoking the dead leader's lease",
     )
     parser.add_argument("--detail", action="store_true")
     parser.add_argument("--json", action="store_true", help="print JSON")

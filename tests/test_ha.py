@@ -23,7 +23,7 @@ import torch
 
 from connector.config import StoreConfig
 from connector.errors import ConfigError, ServiceStartError
-from connector.ops.ha import HAMasters
+from connector.ops.ha import HAMasters, leader_key, revoke_leader_lease
 from connector.ops.master import (
     EmbeddedMaster,
     process_alive,
@@ -173,6 +173,67 @@ def test_leader_sigkill_fails_over_and_stored_blocks_still_hit(unique) -> None:
         finally:
             proc.kill()
             proc.wait()
+
+
+def _leader_named(ha: HAMasters) -> str | None:
+    """The rpc address etcd's leader key names now (``None``: no key)."""
+    import base64  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    key = base64.b64encode(leader_key(ha.cluster_id).encode()).decode()
+    request = urllib.request.Request(
+        f"http://{ha.etcd_endpoint}/v3/kv/range",
+        data=json.dumps({"key": key}).encode(),
+    )
+    with urllib.request.urlopen(request, timeout=2) as resp:  # noqa: S310
+        kvs = json.loads(resp.read()).get("kvs") or []
+    return base64.b64decode(kvs[0]["value"]).decode() if kvs else None
+
+
+@needs_etcd
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_dead_leaders_lease_is_revoked_at_once(unique, fast) -> None:
+    """With ``fast_failover`` (the default) the set revokes a SIGKILLed
+    leader's etcd lease: within 2 s etcd no longer names it and a
+    standby leads (serving about 5 s after the death, not 10). Without
+    it, the key names the dead master until its 5 s lease expires."""
+    with HAMasters(
+        masters=2, cluster_id=f"r-{unique}", fast_failover=fast
+    ) as ha:
+        old = ha.leader()
+        assert old is not None
+        assert _leader_named(ha) == old.rpc_address
+        old.kill()
+        killed = time.monotonic()
+        deadline = killed + 2.0
+        while time.monotonic() < deadline:
+            if _leader_named(ha) != old.rpc_address:
+                break
+            time.sleep(0.05)
+        if fast:
+            assert _leader_named(ha) != old.rpc_address
+            assert ha.revoked == [old.rpc_address]
+            new = ha.wait_serving(timeout_s=20)
+            assert new is not old
+            assert _leader_named(ha) == new.rpc_address
+        else:
+            assert _leader_named(ha) == old.rpc_address
+            assert ha.revoked == []
+
+
+@needs_etcd
+def test_revoke_leaves_a_living_leader_alone(unique) -> None:
+    """``revoke_leader_lease`` revokes only a lease naming the given
+    address: another master's name, or no etcd answering, is a False."""
+    with HAMasters(masters=1, cluster_id=f"l-{unique}") as ha:
+        leader = ha.leader()
+        assert leader is not None
+        endpoint, cluster = ha.etcd_endpoint, ha.cluster_id
+        assert not revoke_leader_lease(endpoint, cluster, "127.0.0.1:1")
+        assert not revoke_leader_lease("127.0.0.1:1", cluster, "x:1")
+        assert not revoke_leader_lease(endpoint, "other", leader.rpc_address)
+        assert _leader_named(ha) == leader.rpc_address
+        assert leader.serving()
 
 
 @needs_etcd

@@ -270,6 +270,7 @@ def _ha_master(args: argparse.Namespace) -> int:
         masters=args.masters,
         cluster_id=args.cluster_id,
         enable_oplog=not args.no_oplog,
+        fast_failover=not args.no_fast_failover,
         master_kwargs=_master_kwargs(args),
     )
 
@@ -479,6 +480,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-oplog",
         action="store_true",
         help="do not replicate metadata (stored blocks are lost on failover)",
+    )
+    ha.add_argument(
+        "--no-fast-failover",
+        action="store_true",
+        help="keep a dead leader's etcd lease (failover ~10 s, not ~5)",
     )
     m.add_argument("--binary", help="mooncake_master executable")
     m.add_argument("--start-timeout-s", type=float, default=20.0)

@@ -26,6 +26,10 @@ Four set-ups run side by side, the same requests, one after the other:
 - ``theirs``: vLLM 0.33's `MooncakeStoreConnector`; its lookup server is
   `benchmarks.scheduler_step`'s ZMQ stand-in (answers 0 hits at once).
 
+``--modes ...,node_pool`` adds ``ours`` with the store's memory in a
+node-level pool (`connector.ops.procs.NodePool`; the prefixes are put by
+a client with no segment, so they can only land in the pool): the
+connector's scheduler side is the same, so its cost should be too.
 ``--modes ...,layerwise`` adds ``ours`` with layer-wise loads
 (``layerwise_load_max_blocks`` = `LAYERWISE_BLOCKS`): a store hit is
 scheduled in the step its lookup answers, not a step later.  In both
@@ -112,6 +116,10 @@ MODES = ("none", "noop", "ours", "theirs")
 #: ``ours`` with layer-wise loads (`layerwise_load_max_blocks`): not run
 #: unless named in ``--modes``.
 LAYERWISE = "layerwise"
+NODE_POOL = "node_pool"
+"""``ours`` with the store's memory in a node-level pool (the wheel's
+``mooncake_client``, `connector.ops.procs.NodePool`): the stored
+prefixes live in the pool process, not in any instance's segment."""
 LAYERWISE_BLOCKS = 64
 RUNNING = 128
 REPEATS = 3
@@ -176,7 +184,9 @@ class PrefixWriter:
     would have saved them): a contributing client with a small buffer.
     """
 
-    def __init__(self, master: Any, namespace: str) -> None:
+    def __init__(
+        self, master: Any, namespace: str, *, contribute: bool = True
+    ) -> None:
         import torch  # noqa: PLC0415
 
         from connector.config import MiB  # noqa: PLC0415
@@ -185,7 +195,9 @@ class PrefixWriter:
 
         self.client = StoreClient.open(
             store_config_for(
-                master, global_segment_size=64 * MiB, namespace=namespace
+                master,
+                global_segment_size=64 * MiB if contribute else 0,
+                namespace=namespace,
             )
         )
         self._buffer = torch.zeros(4096, dtype=torch.uint8)
@@ -263,7 +275,7 @@ class Run:
         forward_s: float,
     ) -> None:
         self.mode = mode
-        self.base = "ours" if mode == LAYERWISE else mode
+        self.base = "ours" if mode in (LAYERWISE, NODE_POOL) else mode
         self.forward_s = forward_s
         self.extra = _extra_config(self.base, master)
         if mode == LAYERWISE:
@@ -702,6 +714,49 @@ def _step_goals(results: list[dict[str, Any]]) -> dict[str, Any]:
     return goal
 
 
+class _Writers:
+    """The master and prefix writer of each mode, made on first use.
+
+    ``ours`` and ``layerwise`` share a writer with its own segment on the
+    run's master; ``node_pool`` gets a master of its own whose only
+    memory is a `NodePool`, written through a client with no segment (so
+    every stored block lives in the pool).  `stack` stops what is made.
+    """
+
+    def __init__(self, master: Any, stack: contextlib.ExitStack) -> None:
+        self.master = master
+        self.stack = stack
+        self.made: dict[str, PrefixWriter] = {}
+        self.pool_master: Any = None
+
+    def for_mode(self, mode: str) -> tuple[Any, PrefixWriter | None]:
+        if mode in ("ours", LAYERWISE):
+            if "own" not in self.made:
+                self.made["own"] = PrefixWriter(self.master, "")
+            return self.master, self.made["own"]
+        if mode != NODE_POOL:
+            return self.master, None
+        if "pool" not in self.made:
+            from connector.ops.master import EmbeddedMaster  # noqa: PLC0415
+            from connector.ops.procs import NodePool  # noqa: PLC0415
+
+            master = self.stack.enter_context(EmbeddedMaster())
+            pool = NodePool(
+                master_server_address=master.rpc_address,
+                metadata_server=master.metadata_server,
+                global_segment_size=256 * 1024 * 1024,
+            )
+            self.stack.callback(pool.stop)
+            pool.start()
+            self.pool_master = master
+            self.made["pool"] = PrefixWriter(master, "", contribute=False)
+        return self.pool_master, self.made["pool"]
+
+    def close(self) -> None:
+        for writer in self.made.values():
+            writer.close()
+
+
 def run_all(
     bursts: tuple[int, ...],
     modes: tuple[str, ...],
@@ -720,19 +775,19 @@ def run_all(
     with (
         EmbeddedMaster() as master,
         tempfile.TemporaryDirectory(prefix="kvl-adm-") as tmp,
+        contextlib.ExitStack() as stack,
     ):
-        writer = None
+        writers = _Writers(master, stack)
         try:
             for burst in bursts:
                 for mode in modes:
-                    if mode in ("ours", LAYERWISE):
-                        writer = writer or PrefixWriter(master, "")
+                    on, writer = writers.for_mode(mode)
                     try:
                         results.append(
                             measure(
                                 mode,
                                 burst,
-                                master=master,
+                                master=on,
                                 tmp=tmp,
                                 writer=writer,
                                 repeats=repeats,
@@ -745,8 +800,7 @@ def run_all(
                              "error": repr(exc)}
                         )  # fmt: skip
         finally:
-            if writer is not None:
-                writer.close()
+            writers.close()
             clients.close_all()
         doc: dict[str, Any] = {"results": results}
         if with_outage:
@@ -824,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
-    unknown = set(modes) - {*MODES, LAYERWISE}
+    unknown = set(modes) - {*MODES, LAYERWISE, NODE_POOL}
     if unknown:
         parser.error(f"unknown modes: {sorted(unknown)}")
     logging.basicConfig(level=logging.ERROR)

@@ -78,8 +78,7 @@ def _rate(result: dict[str, Any], requests: int) -> float:
 
 
 def _kill_all(nodes: Sequence[Node]) -> None:
-    """SIGKILL: an HA client's clean close blocks ~30 s (Mooncake's
-    leader watch), which a benchmark need not wait for."""
+    """SIGKILL every node: the benchmark needs no orderly shutdown."""
     for node in nodes:
         node.kill()
 

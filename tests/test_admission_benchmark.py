@@ -48,6 +48,23 @@ def test_tiny_run_prints_sane_json(capsys, master_binary):
     assert {"met_us", "met_steps", "met_outage"} <= set(doc["goal"])
 
 
+def test_node_pool_mode_hits_blocks_that_live_in_the_pool(
+    capsys, master_binary
+):
+    """``node_pool``: prefixes put by a client with no segment (only the
+    node-level pool can hold them) are store hits, as with ``ours``."""
+    argv = ["--json", "--arrivals", "8", "--repeats", "1", "--no-outage"]
+    argv += ["--forward-ms", "0", "--modes", "ours,node_pool"]
+
+    assert admission.main(argv) == 0
+
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert [r["mode"] for r in rows] == ["ours", "node_pool"]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["requests_with_external_hits"]["store_hit"] > 0, row
+
+
 def test_unknown_mode_is_rejected():
     with pytest.raises(SystemExit):
         admission.main(["--modes", "ours,bogus"])

@@ -221,6 +221,70 @@ def test_a_dead_leaders_lease_is_revoked_at_once(unique, fast) -> None:
             assert ha.revoked == []
 
 
+_CLOSE_CHILD = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    from connector.config import StoreConfig
+    from connector.store import StoreClient
+    config = StoreConfig.from_mapping(json.loads(sys.argv[1]))
+    client = StoreClient.open(config)
+    ticks, stop = [], threading.Event()
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.05)
+    threading.Thread(target=tick, daemon=True).start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    closed = client.close()
+    took = time.monotonic() - started
+    stop.set()
+    time.sleep(0.1)
+    gap = max(b - a for a, b in zip(ticks, ticks[1:]))
+    print(json.dumps({"closed": closed, "close_s": took, "gap_s": gap,
+                      "why": client.left_to_exit}), flush=True)
+    """
+)
+
+
+@needs_etcd
+def test_closing_an_ha_client_never_stalls_the_process(unique) -> None:
+    """Mooncake's close() of an etcd:// client held the GIL for about
+    29 s (every thread of the engine stopped): ``StoreClient.close``
+    leaves it to process exit, returns at once, and the process still
+    exits promptly (its exit path skips Mooncake's teardown)."""
+    with HAMasters(masters=1, cluster_id=f"c-{unique}") as ha:
+        config = store_config_for(ha)
+        values = {
+            "master_server_address": config.master_server_address,
+            "metadata_server": config.metadata_server,
+            "cluster_id": config.cluster_id,
+            "protocol": "tcp",
+            "global_segment_size": 64 * 1024 * 1024,
+            "local_buffer_size": 16 * 1024 * 1024,
+            "local_hostname": "127.0.0.1",
+            "close_timeout_ms": 2000,
+            "log_level": "ERROR",
+        }
+        started = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, "-c", _CLOSE_CHILD, json.dumps(values)],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
+        )
+        process_s = time.monotonic() - started
+        assert out.returncode == 0, out.stderr[-2000:]
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+        assert report["why"] == "HA masters"
+        assert report["close_s"] < 2.0, report
+        assert report["gap_s"] < 1.0, report
+        assert process_s < 20.0, (process_s, report)
+
+
 @needs_etcd
 def test_revoke_leaves_a_living_leader_alone(unique) -> None:
     """``revoke_leader_lease`` revokes only a lease naming the given

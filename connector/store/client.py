@@ -296,8 +296,14 @@ class StoreClient:
         leaving the client to process exit, when
 
         * calls are still in flight at the bound (closing under them
-          would free what they use), or
-        * the master does not accept connections (``MASTER_GONE``).
+          would free what they use),
+        * the master does not accept connections (``MASTER_GONE``), or
+        * the client follows HA masters through etcd (``etcd://``): its
+          ``close()`` held the GIL for 29 s in every run (Mooncake's
+          leader watch), far past any bound.  Such a client's segment is
+          dropped by the master ``client_ttl`` after the process exits,
+          as a crashed instance's is; with a node-level pool the engine
+          has no segment to drop.
 
         Returns:
             Whether the Mooncake client was closed within the bound.
@@ -324,14 +330,9 @@ class StoreClient:
         if busy:
             self._leave_to_exit("calls in flight")
             return False
-        if not self._master_answers():
-            log.warning(
-                "Mooncake store not closed: the master at %s does not "
-                "answer (its close() would stall every thread for 10-18 "
-                "s); left to process exit",
-                self.config.master_server_address,
-            )
-            self._leave_to_exit("master gone")
+        skip = self._skip_close()
+        if skip is not None:
+            self._leave_to_exit(skip)
             return False
         result: list[int] = []
         closer = threading.Thread(
@@ -354,6 +355,25 @@ class StoreClient:
             log.warning("Mooncake store close() returned %d", result[0])
         return True
 
+    def _skip_close(self) -> str | None:
+        """Why Mooncake's ``close()`` must not run now (logged), if so."""
+        if self._probe_on_close and self.config.master_ha:
+            log.info(
+                "Mooncake store of HA masters (%s) not closed: its close() "
+                "would hold the GIL about 30 s; left to process exit",
+                self.config.master_server_address,
+            )
+            return "HA masters"
+        if not self._master_answers():
+            log.warning(
+                "Mooncake store not closed: the master at %s does not "
+                "answer (its close() would stall every thread for 10-18 "
+                "s); left to process exit",
+                self.config.master_server_address,
+            )
+            return "master gone"
+        return None
+
     def _leave_to_exit(self, why: str) -> None:
         """Keep the Mooncake objects alive until the process exits.
 
@@ -361,6 +381,10 @@ class StoreClient:
         without a master); at exit, `connector.store.clients.close_all`
         ends the process before Mooncake's own exit handler would.
         """
+        # Its atexit handler ends the process before Mooncake's teardown
+        # (which would take as long as the close() skipped here).
+        from connector.store import clients  # noqa: F401, PLC0415
+
         self.left_to_exit = why
         _LEFT_WHY.add(why)
         _KEPT_OPEN.append(self._store)

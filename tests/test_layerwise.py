@@ -192,6 +192,36 @@ class _Slow:
         return getattr(self.store, name)
 
 
+def test_sleep_mode_waits_for_a_late_layer_load(make):
+    """Sleep mode (``suspend``, before vLLM frees the KV memory) while a
+    layer-wise load given up at its deadline is still stuck in the
+    store: the late get still holds its staging buffer, so ``suspend``
+    reports a transfer running (the memory must stay registered); once
+    the get ends, the worker drains.  Layer-wise loads run on their own
+    thread, outside the load loop's queue: the staging is what tells.
+    """
+    store_prefix(make, 7, PREFIX)
+    b = make(num_blocks=40, enable_prefix_caching=False)
+    w = b.worker_connector.worker_side
+    gate = Gate(w._store, puts=False)
+    w._store = gate
+    b.add_request("b", [*prompt(7, PREFIX), 5], max_tokens=4)
+    try:
+        end = time.monotonic() + 20
+        while not b.is_idle() and time.monotonic() < end:
+            b.step()
+            time.sleep(0.005)
+        assert gate.entered.is_set()
+        assert w.jobs_failed[LOAD] == 1  # given up, still in the store
+        assert not w.suspend(timeout=0.3)
+    finally:
+        gate.release()
+    assert gate.ended.wait(10)
+    assert w.drain(5.0)
+    w.resume()
+    assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+
+
 def test_the_first_layer_waits_for_a_slow_load(make):
     """A load slower than the forward pass but within its deadline: the
     first layer's wait holds the forward until the KV is in (the harness

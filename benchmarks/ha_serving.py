@@ -11,11 +11,14 @@ address; the engines contribute no segment):
 - ``master_failover``: A computes ``--prefixes`` shared prefixes (the
   stored set); B takes ``--requests`` concurrent requests over them
   (each with its own tail) while the leader master is SIGKILLed.
-  ``failover_s`` is the kill to ``HAMasters.wait_serving``; B is then
-  probed, one request a second, until a prefix stored before the
-  failover hits again (``engine_resume_s``, kill to first hit); then B
-  asks every stored prefix once more: ``hits_after_failover`` (external
-  prefix-cache hit tokens) and their share of the prefix tokens asked.
+  ``failover_s`` is the kill to ``HAMasters.wait_serving``;
+  ``engine_resume_s`` the kill to the sending of the first request that
+  found its prefix in the store again (its ``cached_tokens``, reported
+  with ``--enable-prompt-tokens-details``): one of the load, or, if
+  none did, of probes sent one a second after it. Then B asks every
+  stored prefix once more: ``hits_after_failover`` (external prefix-
+  cache hit tokens, counted only if no load in that window failed) and
+  their share of the prefix tokens asked.
   ``loads_failed`` counts B's ``load_failed`` lifecycle events.
 - ``engine_restart``: A's whole process group is SIGKILLed and A starts
   again on the same config while B keeps asking A's prefixes; the new A
@@ -67,6 +70,9 @@ FAILOVER_GOAL_S = 10.0
 RESTART_RATIO_GOAL = 0.9
 HITS = "vllm:external_prefix_cache_hits_total"
 TRANSITIONS = "vllm:kv_lifecycle_transitions_total"
+STORE_KEYS = "vllm:kv_lifecycle_store_keys_total"
+FAILED = "vllm:kv_lifecycle_store_failed_keys_total"
+COUNTS = ("hits", "loads_failed", "get_keys", "get_failed_keys")
 
 Prompt = tuple[int, ...]
 
@@ -172,8 +178,18 @@ class Prompts:
         return [tuple(self._tokens(96)) for _ in range(n)]
 
 
-def complete(url: str, model: str, prompt: Prompt) -> list[int]:
-    """One greedy completion's token ids (raises on any failure)."""
+def complete(
+    url: str,
+    model: str,
+    prompt: Prompt,
+    seen: list[tuple[float, int | None]] | None = None,
+) -> list[int]:
+    """One greedy completion's token ids (raises on any failure).
+
+    ``seen`` gets (when it was sent, its ``cached_tokens``): the prompt
+    tokens vLLM did not compute, i.e. (local prefix cache off) those
+    the connector found in the store.
+    """
     body = {
         "model": model,
         "prompt": list(prompt),
@@ -187,21 +203,34 @@ def complete(url: str, model: str, prompt: Prompt) -> list[int]:
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
+    sent = time.monotonic()
     timeout = REQUEST_TIMEOUT_S
     with urllib.request.urlopen(request, timeout=timeout) as resp:  # noqa: S310
         answer = json.loads(resp.read())
     tokens: list[int] = answer["choices"][0]["token_ids"]
+    if seen is not None:
+        usage = answer.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        seen.append((sent, details.get("cached_tokens")))
     return tokens
 
 
 def complete_all(
-    url: str, model: str, prompts: Sequence[Prompt]
+    url: str,
+    model: str,
+    prompts: Sequence[Prompt],
+    interval_s: float = 0.0,
+    seen: list[tuple[float, int | None]] | None = None,
 ) -> list[list[int] | str]:
-    """All at once; token ids, or the error's text, per prompt."""
+    """All concurrently, one every ``interval_s``; token ids, or the
+    error's text, per prompt."""
     if not prompts:
         return []
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(complete, url, model, p) for p in prompts]
+        futures = []
+        for prompt in prompts:
+            futures.append(pool.submit(complete, url, model, prompt, seen))
+            time.sleep(interval_s)
         out: list[list[int] | str] = []
         for future in futures:
             try:
@@ -249,23 +278,37 @@ def merge(*parts: dict[str, Any]) -> dict[str, Any]:
 # -- metrics ------------------------------------------------------------------
 
 
-def hits(server: ApiServer) -> float:
-    """External prefix-cache hit tokens so far (0 when unreachable)."""
-    try:
-        return server.metrics().get(HITS, 0.0)
-    except OSError:
-        return 0.0
+def counts(server: ApiServer) -> dict[str, float]:
+    """The counters a window is measured by, so far.
 
-
-def loads_failed(server: ApiServer) -> float:
-    """The connector's ``load_failed`` lifecycle events so far."""
+    ``hits``: vLLM's external prefix-cache hit tokens (what the
+    scheduler half found in the store: a load that then fails is still
+    counted); ``loads_failed``: the scheduler half's ``load_failed``
+    events (requests whose load failed and were recomputed; the worker
+    half counts the same event again under ``half="worker"``); ``get_keys`` and
+    ``get_failed_keys``: the store's get keys, and those that failed.
+    """
     from e2e.serving import labelled_sum  # noqa: PLC0415
 
     try:
         text = server.metrics_text()
     except OSError:
-        return 0.0
-    return labelled_sum(text, TRANSITIONS, event="load_failed")
+        return dict.fromkeys(COUNTS, 0.0)
+    return {
+        "hits": labelled_sum(text, HITS),
+        "loads_failed": labelled_sum(
+            text, TRANSITIONS, half="scheduler", event="load_failed"
+        ),
+        "get_keys": labelled_sum(text, STORE_KEYS, operation="get"),
+        "get_failed_keys": labelled_sum(text, FAILED, operation="get"),
+    }
+
+
+def delta(
+    after: dict[str, float], before: dict[str, float]
+) -> dict[str, float]:
+    """``after - before``, per counter."""
+    return {key: after[key] - before[key] for key in COUNTS}
 
 
 def wait_drained(server: ApiServer, timeout_s: float = 30.0) -> None:
@@ -283,14 +326,35 @@ def wait_drained(server: ApiServer, timeout_s: float = 30.0) -> None:
         time.sleep(0.25)
 
 
+def asked(
+    server: ApiServer,
+    model: str,
+    prompts: Sequence[Prompt],
+    interval_s: float = 0.0,
+) -> tuple[list[list[int] | str], dict[str, float]]:
+    """Ask ``prompts``; (results, the window's `counts`)."""
+    before = counts(server)
+    results = complete_all(server.url, model, prompts, interval_s)
+    wait_drained(server)
+    return results, delta(counts(server), before)
+
+
+def loaded(window: dict[str, float]) -> float:
+    """Hit tokens of a window, or 0 if a load in it failed."""
+    ok = window["loads_failed"] == 0 and window["get_failed_keys"] == 0
+    return window["hits"] if ok else 0.0
+
+
 def asked_hits(
     server: ApiServer, model: str, prompts: Sequence[Prompt]
 ) -> tuple[list[list[int] | str], float]:
-    """Ask ``prompts`` at once; (results, external hit tokens)."""
-    before = hits(server)
-    results = complete_all(server.url, model, prompts)
-    wait_drained(server)
-    return results, hits(server) - before
+    """Ask ``prompts`` at once; (results, hit tokens really loaded).
+
+    Hit tokens count only when no load of the window failed (a failed
+    load is still a scheduler-side hit, recomputed).
+    """
+    results, window = asked(server, model, prompts)
+    return results, loaded(window)
 
 
 def rate(hit_tokens: float, prompts: int) -> float:
@@ -385,7 +449,10 @@ class Run:
             model=self.model,
             kv_transfer_config=self.config,
             port=port or free_port(),
-            extra_args=("--no-enable-prefix-caching",),
+            extra_args=(
+                "--no-enable-prefix-caching",
+                "--enable-prompt-tokens-details",
+            ),
             keep_pythonpath=True,
         )
         n = sum(1 for s in self.logs if s.log_path.stem.startswith(name))
@@ -433,13 +500,17 @@ class Run:
         ref = self.references(seed + base + load + after + probes)
         time.sleep(2.0)  # the oplog reaches the standby in batches (~1 s)
         base_res, base_hits = asked_hits(b, self.model, base)
-        failed_before = loads_failed(b)
-        hits_before = hits(b)
         leader = self.ha.leader()
         if leader is None:
             return {"error": "no leader before the fault"}
+        before = counts(b)
         with concurrent.futures.ThreadPoolExecutor(1) as bg:
-            during = bg.submit(complete_all, b.url, self.model, load)
+            # The load is spread over the outage: one request every
+            # interval, the leader killed once a few have started.
+            seen: list[tuple[float, int | None]] = []
+            during = bg.submit(
+                complete_all, b.url, self.model, load, args.interval, seen
+            )
             time.sleep(args.kill_after_s)
             leader.kill()
             killed = time.monotonic()
@@ -449,44 +520,58 @@ class Run:
                 failover_s = time.monotonic() - killed
             except Exception:  # noqa: BLE001 - reported as None
                 failover_s = None
-            load_res = during.result(timeout=REQUEST_TIMEOUT_S + 30)
+            load_res = during.result(timeout=REQUEST_TIMEOUT_S + 60)
+        load_s = time.monotonic() - killed
         wait_drained(b)
-        during_hits = hits(b) - hits_before
+        during_window = delta(counts(b), before)
+        # The first request sent after the kill that found its prefix.
+        hit_sent = sorted(
+            t - killed
+            for t, cached in seen
+            if t > killed and (cached or 0) > 0
+        )
         # B's client follows the new leader on its own (its heartbeat):
-        # one probe a second until a prefix stored before the kill hits.
+        # one probe a second until a prefix stored before the kill loads.
         resume_s = None
         probe_res: list[list[int] | str] = []
-        asked: list[Prompt] = []
+        probed: list[Prompt] = []
         for prompt in probes:
             if time.monotonic() - killed > args.resume_window_s:
                 break
             got, hit = asked_hits(b, self.model, [prompt])
             probe_res += got
-            asked.append(prompt)
+            probed.append(prompt)
             if hit > 0:
                 resume_s = time.monotonic() - killed
                 break
             time.sleep(1.0)
-        after_res, after_hits = asked_hits(b, self.model, after)
+        if hit_sent and during_window["loads_failed"] == 0:
+            resume_s = hit_sent[0]
+        after_res, after_window = asked(b, self.model, after)
+        after_hits = loaded(after_window)
         checks = [
             tally(base, base_res, p.reference),
             tally(load, load_res, p.reference),
-            tally(asked, probe_res, p.reference),
+            tally(probed, probe_res, p.reference),
             tally(after, after_res, p.reference),
         ]
         return {
             **tally(load, load_res, p.reference),
             "mismatches": sum(c["mismatches"] for c in checks),
             "failover_s": None if failover_s is None else round(failover_s, 2),
-            "loads_failed": loads_failed(b) - failed_before,
-            "engine_resume_s": None
-            if resume_s is None
-            else round(resume_s, 2),
+            "loads_failed": during_window["loads_failed"],
+            "engine_resume_s": (
+                None if resume_s is None else round(resume_s, 2)
+            ),
             "hits_after_failover": after_hits,
             "hit_fraction_after": rate(after_hits, len(after)),
             "hit_fraction_before": rate(base_hits, len(base)),
-            "hits_during": during_hits,
-            "probes": len(asked),
+            "during": during_window,
+            "after": after_window,
+            "load_done_after_kill_s": round(load_s, 1),
+            "load_hits_sent_after_kill": len(hit_sent),
+            "cached_tokens_reported": sum(c is not None for _, c in seen),
+            "probes": len(probed),
             "all_requests": merge(*checks)["requests"],
             "all_finished": merge(*checks)["requests_finished"],
             "reference_finished": ref["requests_finished"],
@@ -548,10 +633,10 @@ class Run:
             self.pool.kill()
             killed = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(2) as bg:
-                fa = bg.submit(asked_hits, a, self.model, on_a)
-                fb = bg.submit(asked_hits, b, self.model, on_b)
-                a_res, a_hits = fa.result(timeout=REQUEST_TIMEOUT_S + 60)
-                b_res, b_hits = fb.result(timeout=REQUEST_TIMEOUT_S + 60)
+                fa = bg.submit(asked, a, self.model, on_a)
+                fb = bg.submit(asked, b, self.model, on_b)
+                a_res, a_dead = fa.result(timeout=REQUEST_TIMEOUT_S + 60)
+                b_res, b_dead = fb.result(timeout=REQUEST_TIMEOUT_S + 60)
             served_dead_s = time.monotonic() - killed
             self.pool.restart()
             restarted = time.monotonic()
@@ -580,7 +665,7 @@ class Run:
         out["mismatches"] += probe_mismatches
         return {
             **out,
-            "hits_while_dead": a_hits + b_hits,
+            "while_dead": {key: a_dead[key] + b_dead[key] for key in COUNTS},
             "served_while_dead_s": round(served_dead_s, 1),
             "health_polls": health.polls,
             "health_failures": len(health.failures),
@@ -674,7 +759,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--probes", type=int, default=60)
     parser.add_argument("--during-rounds", type=int, default=4)
-    parser.add_argument("--kill-after-s", type=float, default=0.3)
+    parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument("--kill-after-s", type=float, default=2.0)
     parser.add_argument("--resume-window-s", type=float, default=90.0)
     parser.add_argument("--server-start-s", type=float, default=240.0)
     parser.add_argument("--timeout", type=float, default=900.0)

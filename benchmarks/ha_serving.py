@@ -72,7 +72,13 @@ HITS = "vllm:external_prefix_cache_hits_total"
 TRANSITIONS = "vllm:kv_lifecycle_transitions_total"
 STORE_KEYS = "vllm:kv_lifecycle_store_keys_total"
 FAILED = "vllm:kv_lifecycle_store_failed_keys_total"
-COUNTS = ("hits", "loads_failed", "get_keys", "get_failed_keys")
+COUNTS = (
+    "hits",
+    "loads_failed",
+    "lookups_timed_out",
+    "get_keys",
+    "get_failed_keys",
+)
 
 Prompt = tuple[int, ...]
 
@@ -285,7 +291,9 @@ def counts(server: ApiServer) -> dict[str, float]:
     scheduler half found in the store: a load that then fails is still
     counted); ``loads_failed``: the scheduler half's ``load_failed``
     events (requests whose load failed and were recomputed; the worker
-    half counts the same event again under ``half="worker"``); ``get_keys`` and
+    half counts the same event again under ``half="worker"``);
+    ``lookups_timed_out``: prefix lookups not answered within
+    ``lookup_timeout_ms`` (50 ms by default), admitted as misses; ``get_keys`` and
     ``get_failed_keys``: the store's get keys, and those that failed.
     """
     from e2e.serving import labelled_sum  # noqa: PLC0415
@@ -298,6 +306,9 @@ def counts(server: ApiServer) -> dict[str, float]:
         "hits": labelled_sum(text, HITS),
         "loads_failed": labelled_sum(
             text, TRANSITIONS, half="scheduler", event="load_failed"
+        ),
+        "lookups_timed_out": labelled_sum(
+            text, TRANSITIONS, half="scheduler", event="time_out"
         ),
         "get_keys": labelled_sum(text, STORE_KEYS, operation="get"),
         "get_failed_keys": labelled_sum(text, FAILED, operation="get"),

@@ -293,8 +293,9 @@ def counts(server: ApiServer) -> dict[str, float]:
     events (requests whose load failed and were recomputed; the worker
     half counts the same event again under ``half="worker"``);
     ``lookups_timed_out``: prefix lookups not answered within
-    ``lookup_timeout_ms`` (50 ms by default), admitted as misses; ``get_keys`` and
-    ``get_failed_keys``: the store's get keys, and those that failed.
+    ``lookup_timeout_ms`` (50 ms by default), admitted as misses;
+    ``get_keys`` and ``get_failed_keys``: the store's get keys, and
+    those that failed.
     """
     from e2e.serving import labelled_sum  # noqa: PLC0415
 

@@ -26,8 +26,11 @@ address; the engines contribute no segment):
   ``hit_rate_before``).
 - ``pool_death``: the pool process is SIGKILLed; both servers keep
   serving (every ``/health`` poll 200, every request finishes with the
-  reference tokens); the pool restarts, and fresh prompts computed by A
-  are asked of B until B loads one (``sharing_resumed_s``).
+  reference tokens), asked right after the death and again
+  ``--pool-down-s`` later (past the master's 10 s ``client_ttl``: the
+  dead segment's blocks are gone, lookups miss); the pool restarts,
+  and fresh prompts computed by A are asked of B until B loads one
+  (``sharing_resumed_s``).
 
 Every output is compared with the reference: A's greedy tokens for the
 same prompt, computed before any fault. The servers' logs must show no
@@ -93,8 +96,10 @@ def goals_missed(report: dict[str, Any]) -> list[str]:
     <= 10, hits_after_failover > 0. engine_restart: 0 mismatches, every
     request finished, other_hits_during > 0, hit_rate_after_restart >=
     0.9 x hit_rate_before (and > 0). pool_death: every request finished,
-    0 mismatches, no failed health poll, sharing resumed. Each server
-    log clean. A scenario that is missing or reports an ``error`` misses.
+    0 mismatches, no failed health poll, sharing resumed. The node pool
+    ran when each scenario started (only pool_death kills it). Each
+    server log clean. A scenario that is missing or reports an
+    ``error`` misses.
     """
     missed: list[str] = []
 
@@ -115,6 +120,10 @@ def goals_missed(report: dict[str, Any]) -> list[str]:
             part.get("requests_finished") == part.get("requests"),
         )
         need(f"{name}: mismatches == 0", part.get("mismatches") == 0)
+        need(
+            f"{name}: pool_alive_before",
+            part.get("pool_alive_before", True) is True,
+        )
     fo = report.get("master_failover")
     if isinstance(fo, dict) and not fo.get("error"):
         failover = fo.get("failover_s")
@@ -439,6 +448,7 @@ class Run:
             cluster_id=self.ha.cluster_id,
             global_segment_size=256 * 1024 * 1024,
             log_file=self.workdir / "pool.log",
+            env={"GLOG_minloglevel": "0"},  # its INFO lines: ports, mounts
         ).start()
         config = kv_transfer_config(
             self.ha,
@@ -638,30 +648,45 @@ class Run:
         p = self.prompts
         a, b = self.servers["a"], self.servers["b"]
         k = len(p.prefixes)
-        on_a, on_b = p.over(k), p.over(k)
+        dead_rounds = [(p.over(k), p.over(k)) for _ in range(2)]
         fresh = p.fresh(self.args.probes)
-        self.references(on_a + on_b)
+        self.references([q for a_b in dead_rounds for r in a_b for q in r])
+        windows: list[dict[str, float]] = []
+        checks: list[dict[str, Any]] = []
         with HealthWatch([a, b]) as health:
             self.pool.kill()
             killed = time.monotonic()
-            with concurrent.futures.ThreadPoolExecutor(2) as bg:
-                fa = bg.submit(asked, a, self.model, on_a)
-                fb = bg.submit(asked, b, self.model, on_b)
-                a_res, a_dead = fa.result(timeout=REQUEST_TIMEOUT_S + 60)
-                b_res, b_dead = fb.result(timeout=REQUEST_TIMEOUT_S + 60)
+            # Right after the death (the master still lists its blocks:
+            # loads fail) and once the master dropped its segment.
+            for i, (on_a, on_b) in enumerate(dead_rounds):
+                if i:
+                    time.sleep(self.args.pool_down_s)
+                with concurrent.futures.ThreadPoolExecutor(2) as bg:
+                    fa = bg.submit(asked, a, self.model, on_a)
+                    fb = bg.submit(asked, b, self.model, on_b)
+                    a_res, a_dead = fa.result(timeout=REQUEST_TIMEOUT_S + 60)
+                    b_res, b_dead = fb.result(timeout=REQUEST_TIMEOUT_S + 60)
+                windows += [a_dead, b_dead]
+                checks += [
+                    tally(on_a, a_res, p.reference),
+                    tally(on_b, b_res, p.reference),
+                ]
             served_dead_s = time.monotonic() - killed
             self.pool.restart()
             restarted = time.monotonic()
             resumed_s = None
             probe_mismatches = 0
-            probes = 0
+            probes = probes_finished = 0
             for prompt in fresh:
                 if time.monotonic() - restarted > self.args.resume_window_s:
                     break
-                probes += 1
                 (ref,) = complete_all(a.url, self.model, [prompt])
                 wait_drained(a)
                 got, hit = asked_hits(b, self.model, [prompt])
+                probes += 2
+                probes_finished += sum(
+                    not isinstance(r, str) for r in [ref, *got]
+                )
                 if isinstance(ref, str) or isinstance(got[0], str):
                     continue
                 probe_mismatches += got[0] != ref
@@ -669,22 +694,25 @@ class Run:
                     resumed_s = time.monotonic() - restarted
                     break
                 time.sleep(0.5)
-        checks = [
-            tally(on_a, a_res, p.reference),
-            tally(on_b, b_res, p.reference),
-        ]
         out = merge(*checks)
         out["mismatches"] += probe_mismatches
+        out["requests"] += probes
+        out["requests_finished"] += probes_finished
         return {
             **out,
-            "while_dead": {key: a_dead[key] + b_dead[key] for key in COUNTS},
+            "while_dead": {
+                key: sum(w[key] for w in windows[:2]) for key in COUNTS
+            },
+            "while_dead_later": {
+                key: sum(w[key] for w in windows[2:]) for key in COUNTS
+            },
             "served_while_dead_s": round(served_dead_s, 1),
             "health_polls": health.polls,
             "health_failures": len(health.failures),
             "sharing_resumed_s": (
                 None if resumed_s is None else round(resumed_s, 2)
             ),
-            "probes": probes,
+            "probe_requests": probes,
         }
 
     def log_problems(self) -> list[str]:
@@ -720,10 +748,17 @@ def deadline(seconds: float) -> Iterator[None]:
 
 
 def scenario(
-    report: dict[str, Any], name: str, body: Callable[[], dict[str, Any]]
+    report: dict[str, Any],
+    name: str,
+    body: Callable[[], dict[str, Any]],
+    pool: Any,
 ) -> None:
-    """Run one scenario into ``report``; an exception is its ``error``."""
+    """Run one scenario into ``report``; an exception is its ``error``.
+
+    ``pool_alive_before``: whether the node pool ran when it started.
+    """
     begin = time.monotonic()
+    alive_before = pool is not None and pool.running
     try:
         report[name] = body()
     except TimeoutError:
@@ -731,6 +766,8 @@ def scenario(
     except Exception as exc:  # noqa: BLE001 - reported, not hidden
         report[name] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
     report[name]["seconds"] = round(time.monotonic() - begin, 1)
+    # The pool is killed only in pool_death: it must run before each.
+    report[name]["pool_alive_before"] = alive_before
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -745,9 +782,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["server_startup_s"] = [
                 round(s.startup_s, 1) for s in state.servers.values()
             ]
-            scenario(report, "master_failover", state.master_failover)
-            scenario(report, "engine_restart", state.engine_restart)
-            scenario(report, "pool_death", state.pool_death)
+            scenario(
+                report, "master_failover", state.master_failover, state.pool
+            )
+            scenario(
+                report, "engine_restart", state.engine_restart, state.pool
+            )
+            scenario(report, "pool_death", state.pool_death, state.pool)
     except Exception as exc:  # noqa: BLE001 - the report says it
         report["error"] = f"{type(exc).__name__}: {exc}"[:600]
     finally:
@@ -774,6 +815,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--interval", type=float, default=0.5)
     parser.add_argument("--kill-after-s", type=float, default=2.0)
     parser.add_argument("--resume-window-s", type=float, default=90.0)
+    parser.add_argument("--pool-down-s", type=float, default=12.0)
     parser.add_argument("--server-start-s", type=float, default=240.0)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", action="store_true", help="one line")

@@ -61,6 +61,7 @@ def test_a_report_meeting_every_goal_misses_none() -> None:
         (("pool_death", "sharing_resumed_s"), None, "sharing_resumed_s"),
         (("pool_death", "requests_finished"), 15, "requests_finished"),
         (("log_problems",), 2, "log_problems"),
+        (("pool_death", "pool_alive_before"), False, "pool_alive_before"),
     ],
 )
 def test_each_miss_is_named(path, value, missed) -> None:

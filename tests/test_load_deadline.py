@@ -314,6 +314,77 @@ def test_staged_blocks_land_byte_exact_in_their_targets(
             store_client.unregister(p)
 
 
+class _Overlap:
+    """The store, but the first get waits (at most 5 s) for the second to
+    start: `overlapped` says whether it did."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.lock = threading.Lock()
+        self.gets = 0
+        self.second = threading.Event()
+        self.overlapped: bool | None = None
+
+    def get(self, keys, regions):
+        with self.lock:
+            n = self.gets
+            self.gets += 1
+        if n == 0:
+            self.overlapped = self.second.wait(5.0)
+        elif n == 1:
+            self.second.set()
+        return self.store.get(keys, regions)
+
+
+def test_a_chunked_load_starts_the_next_get_before_it_copies_in(
+    store_client, unique
+):
+    """A load of several chunks hands the next chunk's get to the store
+    before the current one is copied into the KV cache (the copy overlaps
+    the transfer), and every block still lands byte for byte."""
+    from connector.store import Regions  # noqa: PLC0415
+    from connector.worker.pieces import block_pieces  # noqa: PLC0415
+    from connector.worker.transfer import HostOps  # noqa: PLC0415
+
+    source, target = kv_caches(seed=3), kv_caches(seed=4)
+    targets = [8, 9, 10, 11, 12, 13]
+    sources = list(range(len(targets)))
+    keys = [f"{unique}-ahead-{i}" for i in sources]
+    flat = {name: t.view(NUM_BLOCKS, -1) for name, t in source.items()}
+    rows = torch.cat([flat[n][sources] for n in flat], dim=1).contiguous()
+    ptr, row_bytes = rows.data_ptr(), rows[0].numel() * rows.element_size()
+    store_client.register(ptr, rows.numel() * rows.element_size())
+    registered = [ptr]
+    try:
+        regions = Regions.pieces(
+            [[ptr + i * row_bytes] for i in sources],
+            [[row_bytes]] * len(sources),
+        )
+        assert store_client.put(keys, regions).num_failed == 0
+        staging = LoadStaging(
+            block_pieces(target, NUM_BLOCKS),
+            Regions,
+            HostOps(torch.device("cpu")),
+            slots=2,
+            register=lambda p, n: (
+                registered.append(p) or store_client.register(p, n)
+            ),
+        )
+        store = _Overlap(store_client)
+        try:
+            flags = staging.load(store, keys, targets, Deadline.after(10))
+        finally:
+            staging.close()
+        assert store.overlapped is True
+        assert store.gets == 3
+        assert flags == [True] * len(targets)
+        for name, t in target.items():
+            assert torch.equal(t[targets], source[name][sources])
+    finally:
+        for p in registered:
+            store_client.unregister(p)
+
+
 @pytest.mark.vllm
 def test_no_request_waits_for_remote_kv_past_its_deadline(extra, harnesses):
     """vLLM 0.33's scheduler: every get hangs; the request leaves

@@ -19,6 +19,11 @@ late get, a load fails at once (`shed`) rather than wait behind them.
 Runner threads are daemons, one per get in flight: a get that never
 returns costs one parked thread and one buffer, never the loading thread.
 
+A load of several chunks hands the next chunk's get to a runner before
+it scatters the one that arrived (two buffers in use), so the copy into
+the KV cache overlaps the store's next transfer.  A chunk that got no
+buffer, or whose get passed the deadline, reads failed on its own.
+
 Without a deadline a load runs inline on the calling thread (no hop).
 Keys the store reads from this process's own segment skip staging
 (``Direct.load`` in `connector.worker.transfer`): that get is a memcpy
@@ -137,6 +142,15 @@ class _Call:
             return False
 
 
+@attrs.define(eq=False)
+class _Ahead:
+    """A chunk whose get was handed to a runner (or could not be)."""
+
+    chunk: list[int]
+    buffer: torch.Tensor | None = None
+    call: _Call | None = None
+
+
 class _Runners:
     """Daemon threads running `_Call`s; a new one when none is idle."""
 
@@ -251,10 +265,20 @@ class LoadStaging:
         watchdog took, is False and never written.
         """
         flags: list[bool] = []
+        ahead: _Ahead | None = None
         for first in range(0, len(block_ids), self.slots):
             chunk = list(block_ids[first : first + self.slots])
             chunk_keys = keys[first : first + len(chunk)]
-            flags += self._chunk(store, chunk_keys, chunk, deadline)
+            if deadline is None:
+                flags += self._chunk(store, chunk_keys, chunk)
+                continue
+            # The next chunk's get runs while this one is scattered.
+            started = self._start(store, chunk_keys, chunk, deadline)
+            if ahead is not None:
+                flags += self._finish(ahead, deadline)
+            ahead = started
+        if ahead is not None and deadline is not None:
+            flags += self._finish(ahead, deadline)
         return flags
 
     def close(self) -> None:
@@ -268,11 +292,9 @@ class LoadStaging:
         store: BlockStore,
         keys: Sequence[str],
         chunk: list[int],
-        deadline: Deadline | None,
     ) -> list[bool]:
+        """One chunk without a deadline: get inline, then scatter."""
         failed = [False] * len(chunk)
-        if deadline is not None and deadline.left() <= 0:
-            return failed
         buffer = self._take()
         if buffer is None:
             self.shed += 1
@@ -280,18 +302,43 @@ class LoadStaging:
         regions = self._regions.pieces(
             *_slot_pieces(buffer, self.block_bytes, len(chunk))
         )
-        if deadline is None:
-            try:
-                got = store.get(keys, regions).succeeded
-                self._scatter(buffer, chunk, got)
-            finally:
-                self._give(buffer)
-            return got
+        try:
+            got = store.get(keys, regions).succeeded
+            self._scatter(buffer, chunk, got)
+        finally:
+            self._give(buffer)
+        return got
+
+    def _start(
+        self,
+        store: BlockStore,
+        keys: Sequence[str],
+        chunk: list[int],
+        deadline: Deadline,
+    ) -> _Ahead:
+        """Hand one chunk's get to a runner (nothing if none can run)."""
+        if deadline.left() <= 0:
+            return _Ahead(chunk)
+        buffer = self._take()
+        if buffer is None:
+            self.shed += 1
+            return _Ahead(chunk)
+        regions = self._regions.pieces(
+            *_slot_pieces(buffer, self.block_bytes, len(chunk))
+        )
         call = _Call(
             lambda: store.get(keys, regions).succeeded,
             lambda: self._give(buffer, late=True),
         )
         self._runners.submit(call)
+        return _Ahead(chunk, buffer, call)
+
+    def _finish(self, ahead: _Ahead, deadline: Deadline) -> list[bool]:
+        """Wait for a started chunk until the deadline; scatter it."""
+        chunk, buffer, call = ahead.chunk, ahead.buffer, ahead.call
+        failed = [False] * len(chunk)
+        if buffer is None or call is None:
+            return failed
         if not call.settle(deadline.left()):
             with self._lock:
                 self.late += 1

@@ -30,6 +30,9 @@ Four set-ups run side by side, the same requests, one after the other:
 node-level pool (`connector.ops.procs.NodePool`; the prefixes are put by
 a client with no segment, so they can only land in the pool): the
 connector's scheduler side is the same, so its cost should be too.
+``--modes ...,dummy_pool`` is ``node_pool`` with the connector's clients
+as the pool's dummy clients (``real_client_address``): each lookup goes
+through the pool process to the master.
 ``--modes ...,layerwise`` adds ``ours`` with layer-wise loads
 (``layerwise_load_max_blocks`` = `LAYERWISE_BLOCKS`): a store hit is
 scheduled in the step its lookup answers, not a step later.  In both
@@ -120,6 +123,9 @@ NODE_POOL = "node_pool"
 """``ours`` with the store's memory in a node-level pool (the wheel's
 ``mooncake_client``, `connector.ops.procs.NodePool`): the stored
 prefixes live in the pool process, not in any instance's segment."""
+DUMMY_POOL = "dummy_pool"
+"""``node_pool`` with the connector's clients as the pool's dummy clients
+(``real_client_address``): lookups go through the pool process."""
 LAYERWISE_BLOCKS = 64
 RUNNING = 128
 REPEATS = 3
@@ -273,11 +279,16 @@ class Run:
         *,
         capacity: int,
         forward_s: float,
+        real_client_address: str | None = None,
     ) -> None:
         self.mode = mode
-        self.base = "ours" if mode in (LAYERWISE, NODE_POOL) else mode
+        ours = (LAYERWISE, NODE_POOL, DUMMY_POOL)
+        self.base = "ours" if mode in ours else mode
         self.forward_s = forward_s
         self.extra = _extra_config(self.base, master)
+        if real_client_address is not None:
+            self.extra["global_segment_size"] = 0
+            self.extra["real_client_address"] = real_client_address
         if mode == LAYERWISE:
             self.extra["layerwise_load_max_blocks"] = LAYERWISE_BLOCKS
         self.server = None
@@ -393,6 +404,7 @@ def measure(
     writer: PrefixWriter | None,
     repeats: int,
     forward_s: float,
+    real_client_address: str | None = None,
 ) -> dict[str, Any]:
     """Bursts of `burst` new requests on `RUNNING` decoding ones."""
     rng = random.Random(burst)
@@ -403,6 +415,7 @@ def measure(
         tmp,
         capacity=RUNNING + burst + 8,
         forward_s=forward_s,
+        real_client_address=real_client_address,
     )
     try:
         for i in range(RUNNING):
@@ -718,9 +731,10 @@ class _Writers:
     """The master and prefix writer of each mode, made on first use.
 
     ``ours`` and ``layerwise`` share a writer with its own segment on the
-    run's master; ``node_pool`` gets a master of its own whose only
-    memory is a `NodePool`, written through a client with no segment (so
-    every stored block lives in the pool).  `stack` stops what is made.
+    run's master; ``node_pool`` (and ``dummy_pool``) get a master of
+    their own whose only memory is a `NodePool`, written through a client
+    with no segment (so every stored block lives in the pool).  `stack`
+    stops what is made.
     """
 
     def __init__(self, master: Any, stack: contextlib.ExitStack) -> None:
@@ -728,13 +742,15 @@ class _Writers:
         self.stack = stack
         self.made: dict[str, PrefixWriter] = {}
         self.pool_master: Any = None
+        #: The pool process's address (``real_client_address``).
+        self.pool_address: str | None = None
 
     def for_mode(self, mode: str) -> tuple[Any, PrefixWriter | None]:
         if mode in ("ours", LAYERWISE):
             if "own" not in self.made:
                 self.made["own"] = PrefixWriter(self.master, "")
             return self.master, self.made["own"]
-        if mode != NODE_POOL:
+        if mode not in (NODE_POOL, DUMMY_POOL):
             return self.master, None
         if "pool" not in self.made:
             from connector.ops.master import EmbeddedMaster  # noqa: PLC0415
@@ -749,6 +765,7 @@ class _Writers:
             self.stack.callback(pool.stop)
             pool.start()
             self.pool_master = master
+            self.pool_address = pool.address
             self.made["pool"] = PrefixWriter(master, "", contribute=False)
         return self.pool_master, self.made["pool"]
 
@@ -792,6 +809,11 @@ def run_all(
                                 writer=writer,
                                 repeats=repeats,
                                 forward_s=forward_s,
+                                real_client_address=(
+                                    writers.pool_address
+                                    if mode == DUMMY_POOL
+                                    else None
+                                ),
                             )
                         )
                     except Exception as exc:  # noqa: BLE001 - report it
@@ -878,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
-    unknown = set(modes) - {*MODES, LAYERWISE, NODE_POOL}
+    unknown = set(modes) - {*MODES, LAYERWISE, NODE_POOL, DUMMY_POOL}
     if unknown:
         parser.error(f"unknown modes: {sorted(unknown)}")
     logging.basicConfig(level=logging.ERROR)

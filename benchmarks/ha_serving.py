@@ -32,6 +32,11 @@ address; the engines contribute no segment):
   and fresh prompts computed by A are asked of B until B loads one
   (``sharing_resumed_s``).
 
+``--dummy`` runs the same with each server's client a dummy of the pool
+(``real_client_address``): the pool process moves every byte, so
+``pool_death`` is the SIGKILL of the process doing the server's
+transfers, mid-transfer.
+
 Every output is compared with the reference: A's greedy tokens for the
 same prompt, computed before any fault. The servers' logs must show no
 ERROR or traceback beyond the known noise (``e2e.serving.log_problems``).
@@ -450,14 +455,14 @@ class Run:
             log_file=self.workdir / "pool.log",
             env={"GLOG_minloglevel": "0"},  # its INFO lines: ports, mounts
         ).start()
-        config = kv_transfer_config(
-            self.ha,
-            store={
-                "global_segment_size": 0,
-                "mode": "standalone-store",
-                "breaker_probe_ms": 200,
-            },
-        )
+        store: dict[str, Any] = {
+            "global_segment_size": 0,
+            "mode": "standalone-store",
+            "breaker_probe_ms": 200,
+        }
+        if self.args.dummy:
+            store["real_client_address"] = self.pool.address
+        config = kv_transfer_config(self.ha, store=store)
         self.config = config
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             started = list(pool.map(self.start_server, ["a", "b"]))
@@ -779,6 +784,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with deadline(args.timeout):
             state.start()
+            report["client"] = "dummy" if args.dummy else "transfer engine"
             report["server_startup_s"] = [
                 round(s.startup_s, 1) for s in state.servers.values()
             ]
@@ -818,6 +824,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pool-down-s", type=float, default=12.0)
     parser.add_argument("--server-start-s", type=float, default=240.0)
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--dummy",
+        action="store_true",
+        help="the servers' clients are dummies of the pool "
+        "(real_client_address): the pool process moves every byte",
+    )
     parser.add_argument("--json", action="store_true", help="one line")
     return parser.parse_args(argv)
 

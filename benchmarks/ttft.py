@@ -30,11 +30,15 @@ reset before each ``hit`` and the hit still comes only through the
 connector (attention blocks and the state at the last checkpoint); the
 raw-transfer comparisons are skipped for it.
 
-``--node-pool`` adds a row (``node_pool``) with the same cold and hit
-TTFT on an engine that contributes no segment while a node-level
+``--node-pool`` adds two rows with the same cold and hit TTFT on an
+engine that contributes no segment while a node-level
 ``mooncake_client`` owns the pool (issue 33's ``standalone-store``
-mode): every load crosses the transfer engine instead of a same-process
-copy.
+mode): ``node_pool``, where every load crosses the transfer engine
+instead of a same-process copy, and ``dummy_pool``, where the engine's
+client is the pool's dummy client (``real_client_address``): the pool
+process copies each block into the engine's shared-memory staging.
+``pool_hit_over_embedded`` and ``dummy_hit_over_embedded`` are their hit
+TTFT medians over the embedded row's, from the same run.
 
 ``--tp 1,2`` adds a row per tensor-parallel size (``tp_rows``): the same
 cold and hit TTFT on an engine of that many ranks (vLLM's multiprocess
@@ -99,6 +103,7 @@ def _spec(
     size: str = SIZE,
     tp: int = 1,
     segment: str | int = "1GB",
+    real_client_address: str | None = None,
 ) -> EngineSpec:
     extra = store_extra(
         master,
@@ -107,6 +112,8 @@ def _spec(
         global_segment_size=segment,
         e2e_snapshot_dir=str(snapshots),
     )
+    if real_client_address is not None:
+        extra["real_client_address"] = real_client_address
     blocks = prompt_len // BLOCK + 2
     return EngineSpec(
         model=str(ensure_model(size)),
@@ -147,11 +154,14 @@ def measure_engine(
     size: str = SIZE,
     tp: int = 1,
     node_pool: bool = False,
+    dummy: bool = False,
 ) -> dict[str, Any]:
     """Cold and hit TTFT on one engine; the hits' load bandwidth.
 
     ``node_pool``: the engine contributes no segment; a node-level
     ``mooncake_client`` (``connector.ops.procs.NodePool``) owns the pool.
+    ``dummy`` (with ``node_pool``): the engine's client is the pool's
+    dummy client (``real_client_address``).
     """
     runs: list[dict[str, Any]] = []
     with (
@@ -161,6 +171,7 @@ def measure_engine(
     ):
         snapshots = Path(tmp)
         segment: str | int = "1GB"
+        address = None
         if node_pool:
             pool = NodePool(
                 master_server_address=master.rpc_address,
@@ -169,6 +180,7 @@ def measure_engine(
             )
             stack.enter_context(pool)
             segment = 0
+            address = pool.address if dummy else None
         spec = _spec(
             master,
             snapshots,
@@ -178,6 +190,7 @@ def measure_engine(
             size=size,
             tp=tp,
             segment=segment,
+            real_client_address=address,
         )
         with EngineProcess(spec) as engine:
             info = dict(engine.info)
@@ -214,13 +227,20 @@ def measure_engine(
     }
 
 
-def node_pool_row(prompt_len: int, reps: int, threads: int) -> Any:
-    """Cold and hit TTFT with the pool in a node-level process."""
+def node_pool_row(
+    prompt_len: int, reps: int, threads: int, *, dummy: bool = False
+) -> Any:
+    """Cold and hit TTFT with the pool in a node-level process.
+
+    ``dummy``: the engine's client is the pool's dummy client.
+    """
     engine = measure_engine(
-        prompt_len, reps, threads, mp=False, node_pool=True
+        prompt_len, reps, threads, mp=False, node_pool=True, dummy=dummy
     )
     runs = engine["runs"]
     return {
+        "client": "dummy" if dummy else "transfer engine",
+        "hit_load_s_median": statistics.median(r["load_s"] for r in runs),
         "cold_ttft_median_s": statistics.median(r["cold_s"] for r in runs),
         "hit_ttft_median_s": statistics.median(r["hit_s"] for r in runs),
         "ttft_ratio": round(
@@ -390,6 +410,11 @@ def run(
     """The whole benchmark; returns the JSON document."""
     started = time.monotonic()
     pool_row = node_pool_row(prompt_len, reps, threads) if node_pool else None
+    dummy_row = (
+        node_pool_row(prompt_len, reps, threads, dummy=True)
+        if node_pool
+        else None
+    )
     engine = measure_engine(prompt_len, reps, threads, mp=mp, size=size)
     if size in HYBRIDS:
         return _hybrid_doc(
@@ -446,9 +471,20 @@ def run(
         "meets_goals": ttft_ratio >= TTFT_GOAL and load_ratio >= LOAD_GOAL,
         "illegal": engine["illegal"],
         "tp_rows": [tp_row(prompt_len, reps, threads, tp) for tp in tp_sizes],
+        "hit_load_s_median": statistics.median(r["load_s"] for r in runs),
         "node_pool": pool_row,
+        "dummy_pool": dummy_row,
+        "pool_hit_over_embedded": _over(pool_row, hit),
+        "dummy_hit_over_embedded": _over(dummy_row, hit),
         "elapsed_s": round(time.monotonic() - started, 1),
     }
+
+
+def _over(row: dict[str, Any] | None, hit: float) -> float | None:
+    """A pool row's hit TTFT median over the embedded one's (None: no row)."""
+    if row is None or hit <= 0:
+        return None
+    return round(row["hit_ttft_median_s"] / hit, 3)
 
 
 def _hybrid_doc(
@@ -507,8 +543,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--node-pool",
         action="store_true",
-        help="add a row with the pool in a node-level mooncake_client "
-        "(the engine contributes no segment; run before the main row)",
+        help="add two rows with the pool in a node-level mooncake_client "
+        "(the engine contributes no segment; node_pool: its client moves "
+        "the bytes over the transfer engine; dummy_pool: its client is the "
+        "pool's dummy, the pool process copies through shared memory); "
+        "both run before the main row",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

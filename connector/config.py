@@ -43,6 +43,7 @@ from connector.config_values import (
     check_metadata_server,
     check_namespace,
     check_protocol,
+    check_real_client_address,
     check_segment,
     check_tenant,
     coerce_bool,
@@ -310,6 +311,32 @@ class StoreConfig:
             coerce_mode,
         ),
     )
+    real_client_address: str | None = attrs.field(
+        default=None,
+        validator=[of_type(str, type(None)), check_real_client_address],
+        metadata=key_help(
+            "``host:port`` of the node-level pool's ``mooncake_client`` "
+            "(its ``--port``; ``kv-lifecycle pool`` prints it): the "
+            "worker's client is then Mooncake's dummy client, which moves "
+            "no byte itself. The pool process copies each block between "
+            "its memory and the worker's staging buffers in shared memory "
+            "(no transfer engine, no TCP); KV caches are always staged. "
+            "Needs ``global_segment_size: 0``; ``null``: the worker's "
+            "client transfers itself.",
+            coerce_optional_str,
+        ),
+    )
+    shm_pool_size: int = attrs.field(
+        default=256 * MiB,
+        validator=[of_type(int), check_buffer],
+        metadata=key_help(
+            "With ``real_client_address``: the shared-memory pool the "
+            "dummy client maps at set-up for the worker's staging buffers "
+            "(Mooncake's ``mem_pool_size``; buffers past it are mapped "
+            "as needed).",
+            parse_size,
+        ),
+    )
     log_level: str | None = attrs.field(
         default=None,
         validator=[of_type(str, type(None)), check_log_level],
@@ -330,6 +357,16 @@ class StoreConfig:
             key = "global_segment_size"
             reason = f"mode {self.mode!r} needs {key} {need}"
             raise ConfigError(key, segment, reason)
+        if self.real_client_address is not None and (
+            segment != 0 or self.enable_ssd_offload
+        ):
+            key = "real_client_address"
+            reason = (
+                "the dummy client contributes no memory and no SSD tier "
+                "(the pool process owns both): needs global_segment_size 0 "
+                "and enable_ssd_offload false"
+            )
+            raise ConfigError(key, self.real_client_address, reason)
         if self.cluster_id is not None and not self.master_ha:
             key = "cluster_id"
             reason = "needs an etcd:// master_server_address (HA masters)"
@@ -468,6 +505,11 @@ class StoreConfig:
     def master_endpoints(self) -> tuple[str, ...]:
         """``host:port`` of the master, or of each etcd endpoint (HA)."""
         return master_endpoints(self.master_server_address)
+
+    @property
+    def dummy(self) -> bool:
+        """Whether the client is a dummy of a node-level pool process."""
+        return self.real_client_address is not None
 
     @property
     def master_host(self) -> str:

@@ -274,6 +274,14 @@ def check_cluster_id(
         raise ConfigError(config_key(field), value, reason)
 
 
+def check_real_client_address(
+    _: object, field: attrs.Attribute[str | None], value: str | None
+) -> None:
+    """None, or ``host:port`` (a node-level pool's ``mooncake_client``)."""
+    if value is not None:
+        _split_host_port(field.name, value, need_port=True)
+
+
 def check_local_hostname(
     _: object, field: attrs.Attribute[str], value: str
 ) -> None:

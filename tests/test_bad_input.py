@@ -60,6 +60,8 @@ BAD_VALUES = {
     "enable_client_http_server": 1,
     "client_http_port": 0,
     "mode": "p2p",
+    "real_client_address": "127.0.0.1",  # no port
+    "shm_pool_size": "2TiB",
     "mooncake_config_path": 12,
     "lifecycle_trace": 5,
     "lifecycle_trace_max_events": 0,

@@ -518,6 +518,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 register=client.register,
                 load_timeout_s=self._loads.timeout_s,
                 layerwise_save_blocks=self._loads.layerwise_save_blocks,
+                memory=client.staging_memory if client.dummy else None,
             )
         self._registered.extend(self._worker.registered)
         self._stats.watch(self._worker.machine)
@@ -613,6 +614,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 keys=self._schemes.lane_keys(g),
                 block_bytes=self._keys[g].layout.block_bytes,
                 deadlines=self._loads.timeout_s is not None,
+                memory=client.staging_memory if client.dummy else None,
             )
             for g in range(len(self._groups.groups))
         ]

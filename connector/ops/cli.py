@@ -386,7 +386,11 @@ def _pool(args: argparse.Namespace) -> int:
             "kv_connector": CONNECTOR_NAME,
             "kv_role": args.kv_role,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra,
+            "kv_connector_extra_config": (
+                {**extra, "real_client_address": pool.address}
+                if args.dummy
+                else extra
+            ),
         },
         announce=announce,
         exited=exited,
@@ -509,6 +513,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, help="RPC port (default: free)")
     p.add_argument("--http-port", type=_port, help="/health port")
     p.add_argument("--kv-role", choices=ROLES, default="kv_both")
+    p.add_argument(
+        "--dummy",
+        action="store_true",
+        help="the printed config makes each engine's client a dummy of "
+        "this pool (real_client_address): the pool process moves every "
+        "byte through shared memory, no transfer engine in the engines",
+    )
     p.add_argument(
         "--detach",
         action="store_true",

@@ -220,6 +220,9 @@ class StoreClient:
                 failed; ``code`` is Mooncake's return code.
         """
         os.environ.update(config.client_env())
+        if config.real_client_address is not None:
+            dummy = config.real_client_address
+            return cls._open_dummy(config, dummy, store_factory, check_regions)
         address = config.master_server_address
         real = store_factory is None
         if store_factory is None:
@@ -285,6 +288,114 @@ class StoreClient:
             probe_on_close=real,
             keeper=keeper,
         )
+
+    @classmethod
+    def _open_dummy(
+        cls,
+        config: StoreConfig,
+        address: str,
+        store_factory: Callable[[], tuple[MooncakeStore, Any]] | None,
+        check_regions: bool,  # noqa: FBT001
+    ) -> StoreClient:
+        """A dummy client of the pool process at ``address``.
+
+        It moves no byte itself: the pool process copies blocks between
+        its memory and this process's shared memory (`staging_memory`),
+        so there is no transfer engine here, no replica reader and no
+        transfer metadata to keep.
+
+        Raises:
+            StoreUnavailable: nothing accepts connections at the address,
+                or ``setup_dummy`` failed.
+        """
+        if store_factory is None:
+            host, _, port = address.rpartition(":")
+            try:
+                probe_tcp(
+                    host.strip("[]"),
+                    int(port),
+                    min(config.rpc_timeout_ms / 1000, 2.0),
+                )
+            except OSError as exc:
+                reason = (
+                    f"no node-level pool process (mooncake_client) accepts "
+                    f"connections at real_client_address {address}: {exc}"
+                )
+                raise StoreUnavailable(address, None, reason) from exc
+            store_factory = _mooncake_store
+        store, replicate = store_factory()
+        started = time.monotonic()
+        rc = store.setup_dummy(
+            config.shm_pool_size, config.local_buffer_size, address
+        )
+        if rc != 0:
+            reason = (
+                f"setup_dummy() returned {rc} after "
+                f"{time.monotonic() - started:.1f} s"
+            )
+            raise StoreUnavailable(address, rc, reason)
+        if replicate is not None and hasattr(replicate, "replica_num"):
+            replicate.replica_num = config.replica_num
+        log.info(
+            "Mooncake dummy client connected to the pool process at %s in "
+            "%.2f s (shared memory %d B; the pool process moves the bytes)",
+            address,
+            time.monotonic() - started,
+            config.shm_pool_size,
+        )
+        return cls(
+            store,
+            config,
+            replicate_config=replicate,
+            check_regions=check_regions,
+        )
+
+    @property
+    def dummy(self) -> bool:
+        """Whether this is a dummy client (``real_client_address``).
+
+        A dummy moves blocks only to and from `staging_memory`: the
+        pool process cannot read or write any other memory of this
+        process.
+        """
+        return self.config.real_client_address is not None
+
+    def staging_memory(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of host memory a dummy client moves blocks through.
+
+        Shared memory from the dummy's pool (``shm_pool_size``; more is
+        mapped when it is used up), as a flat uint8 tensor, not yet
+        registered (`register` it: the pool process only touches
+        memory registered with it).  Owned by Mooncake, never freed
+        before the client: drop users before `close`.
+
+        Raises:
+            ValueError: this client is not a dummy (any host memory does).
+            MemoryError: the pool gave no memory.
+            StoreClosedError: after ``close()``.
+        """
+        import torch  # noqa: PLC0415 - torch only where blocks move
+
+        if not self.dummy:
+            msg = "staging_memory is for a dummy client (real_client_address)"
+            raise ValueError(msg)
+        if nbytes <= 0:
+            msg = f"staging memory must be a positive size, got {nbytes}"
+            raise ValueError(msg)
+        with self._lock:
+            if self._closed:
+                operation = "staging_memory"
+                raise StoreClosedError(operation)
+            ptr = self._store.alloc_from_mem_pool(nbytes)
+        if not ptr:
+            msg = (
+                f"the dummy client's shared memory pool gave no {nbytes} B "
+                f"(shm_pool_size {self.config.shm_pool_size} B; is /dev/shm "
+                "full?)"
+            )
+            raise MemoryError(msg)
+        array = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        return torch.frombuffer(array, dtype=torch.uint8)
 
     def close(self) -> bool:
         """Close the client; idempotent, bounded by ``close_timeout_ms``.

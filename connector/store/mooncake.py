@@ -48,6 +48,16 @@ class MooncakeStore(Protocol):
         /,
     ) -> int: ...
 
+    def setup_dummy(
+        self,
+        mem_pool_size: int,
+        local_buffer_size: int,
+        server_address: str,
+        /,
+    ) -> int: ...
+
+    def alloc_from_mem_pool(self, size: int, /) -> int: ...
+
     def get_hostname(self) -> str: ...
 
     def register_buffer(self, buffer_ptr: int, size: int, /) -> int: ...

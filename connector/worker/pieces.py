@@ -59,6 +59,12 @@ class BlockStore(Protocol):
 Register = Callable[[int, int], bool]
 """Registers ``(ptr, nbytes)`` with the store; False if already covered."""
 
+HostMemory = Callable[[int], "torch.Tensor"]
+"""Host memory of ``nbytes`` (flat uint8) the store can move blocks through.
+
+Given when only such memory works (a dummy client's shared memory,
+`StoreClient.staging_memory`): every transfer is then staged in it."""
+
 
 @attrs.frozen
 class Piece:

@@ -16,6 +16,7 @@ from connector.worker.pieces import (
     BlockStore,
     CopyWaits,
     HeadSlice,
+    HostMemory,
     Register,
     head_pieces,
 )
@@ -148,6 +149,7 @@ def sharded_transfer(
     plan: ShardPlan,
     *,
     deadlines: bool = False,
+    memory: HostMemory | None = None,
 ) -> Sharded:
     """One transfer per head shard the rank holds, memory registered once.
 
@@ -167,6 +169,7 @@ def sharded_transfer(
                     register=register,
                     heads=heads,
                     deadlines=deadlines,
+                    memory=memory,
                 )
             )
         except ValueError as exc:
@@ -185,13 +188,15 @@ def group_lane(
     keys: Any,
     block_bytes: int,
     deadlines: bool = False,
+    memory: HostMemory | None = None,
 ) -> Lane:
     """How one KV cache group's blocks move on this rank.
 
     Head-sharded: one transfer per head shard the rank holds, `keys`
     shard-major (`connector.parallel.ShardKeys`).  Per rank: one transfer
     and the rank's scheme.  A replica rank's lane does not write.  With
-    `deadlines`, remote loads land in staging memory first (`open_transfer`).
+    `deadlines`, remote loads land in staging memory first (`open_transfer`);
+    with `memory` (a dummy client's), every block is staged in it.
 
     Raises:
         ConfigError: (``store_tp_size``) the KV blocks are not head-major.
@@ -199,7 +204,13 @@ def group_lane(
     transfer: Transfer
     if plan.shared:
         transfer = sharded_transfer(
-            kv_caches, num_blocks, regions, register, plan, deadlines=deadlines
+            kv_caches,
+            num_blocks,
+            regions,
+            register,
+            plan,
+            deadlines=deadlines,
+            memory=memory,
         )
     else:
         transfer = open_transfer(
@@ -208,5 +219,6 @@ def group_lane(
             regions,
             register=register,
             deadlines=deadlines,
+            memory=memory,
         )
     return Lane(keys, transfer, block_bytes, writes=plan.writes)

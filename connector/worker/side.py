@@ -74,6 +74,7 @@ from connector.worker.pieces import (
     BatchOutcome,
     BlockStore,
     CopyWaits,
+    HostMemory,
     Register,
 )
 from connector.worker.transfer import (
@@ -304,6 +305,7 @@ class WorkerSide:
         spawn: Spawn = daemon_thread,
         load_timeout_s: float | None = None,
         layerwise_save_blocks: int = 0,
+        memory: HostMemory | None = None,
     ) -> WorkerSide:
         """A worker over vLLM's KV tensors, their memory registered once.
 
@@ -312,7 +314,8 @@ class WorkerSide:
         `staging_blocks` is given; with `load_timeout_s`, loads go
         through staging so a late one never writes into the cache.  With
         `layerwise_save_blocks`, saves are layer-wise and the staging
-        (host caches too) holds at least that many blocks.
+        (host caches too) holds at least that many blocks.  With
+        `memory` (a dummy client's), every block is staged in it.
 
         Raises:
             ValueError: the KV tensors fit no known layout.
@@ -328,6 +331,7 @@ class WorkerSide:
             register=register,
             staging_blocks=staging_blocks,
             deadlines=load_timeout_s is not None,
+            memory=memory,
         )
         layout = KVLayout.from_tensors(kv_caches, num_blocks)
         return cls(

@@ -51,6 +51,7 @@ from connector.worker.pieces import (
     CopyWaits,
     DeviceOps,
     HeadSlice,
+    HostMemory,
     Piece,
     Register,
     block_pieces,
@@ -385,16 +386,26 @@ def _pick(
 
 
 class HostOps:
-    """CPU tensors: copies are synchronous, nothing to order."""
+    """CPU tensors: copies are synchronous, nothing to order.
 
-    def __init__(self, device: torch.device) -> None:
+    Args:
+        device: The KV cache's (host) device.
+        memory: Where buffers come from (None: plain host memory).
+    """
+
+    def __init__(
+        self, device: torch.device, memory: HostMemory | None = None
+    ) -> None:
         self.device = device
         self.waits = 0  # markers waited on (the ordering code ran)
+        self._memory = memory
 
     def buffer(self, nbytes: int) -> torch.Tensor:
-        """A plain host buffer."""
+        """A host buffer (from `memory` if given)."""
         import torch
 
+        if self._memory is not None:
+            return self._memory(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def record(self) -> Any:
@@ -419,18 +430,28 @@ class CudaOps:
 
     Args:
         device: The CUDA device of the KV cache.
+        memory: Where buffers come from (None: pinned host memory).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self, device: torch.device, memory: HostMemory | None = None
+    ) -> None:
         import torch
 
         self.device = device
         self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._memory = memory
 
     def buffer(self, nbytes: int) -> torch.Tensor:
-        """Pinned host memory, so copies are truly asynchronous."""
+        """Pinned host memory, so copies are truly asynchronous.
+
+        From `memory` when given (a dummy client's shared memory): not
+        pinned, so its copies synchronise the side stream.
+        """
         import torch
 
+        if self._memory is not None:
+            return self._memory(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def record(self) -> Any:
@@ -692,6 +713,7 @@ def open_transfer(
     staging_blocks: int | None = None,
     deadlines: bool = False,
     heads: HeadSlice | None = None,
+    memory: HostMemory | None = None,
 ) -> Transfer:
     """The transfer for these KV caches, with its memory registered.
 
@@ -711,6 +733,9 @@ def open_transfer(
     `Direct.load`): a load given up at its deadline never writes into
     the KV cache.
 
+    With `memory` (a dummy client's shared memory: the store can move
+    blocks only through it), every cache is staged in buffers from it.
+
     Raises:
         ValueError: the KV tensors fit no known layout.
     """
@@ -722,16 +747,18 @@ def open_transfer(
         return Staged(
             pieces,
             regions,
-            lambda: CudaOps(device),
+            lambda: CudaOps(device, memory),
             slots=staging_blocks or DEFAULT_STAGING_BLOCKS,
             register=register,
         )
-    if staging_blocks is not None and device is not None:
+    if (staging_blocks is not None or memory is not None) and (
+        device is not None
+    ):
         return Staged(
             pieces,
             regions,
-            lambda: HostOps(device),
-            slots=staging_blocks,
+            lambda: HostOps(device, memory),
+            slots=staging_blocks or DEFAULT_STAGING_BLOCKS,
             register=register,
         )
     registered = []

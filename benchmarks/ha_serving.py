@@ -24,9 +24,11 @@ address; the engines contribute no segment):
   again on the same config while B keeps asking A's prefixes; the new A
   asks its earlier prefixes (``hit_rate_after_restart`` against
   ``hit_rate_before``).
-- ``pool_death``: the pool process is SIGKILLed; both servers keep
+- ``pool_death``: the pool process is SIGKILLed while a round of
+  requests to both servers is in flight (``--kill-in-flight-s`` after
+  it was sent; ``killed_with_requests_in_flight``); both servers keep
   serving (every ``/health`` poll 200, every request finishes with the
-  reference tokens), asked right after the death and again
+  reference tokens), asked through the death and again
   ``--pool-down-s`` later (past the master's 10 s ``client_ttl``: the
   dead segment's blocks are gone, lookups miss); the pool restarts,
   and fresh prompts computed by A are asked of B until B loads one
@@ -658,17 +660,23 @@ class Run:
         self.references([q for a_b in dead_rounds for r in a_b for q in r])
         windows: list[dict[str, float]] = []
         checks: list[dict[str, Any]] = []
+        killed = time.monotonic()
+        in_flight = False
         with HealthWatch([a, b]) as health:
-            self.pool.kill()
-            killed = time.monotonic()
-            # Right after the death (the master still lists its blocks:
-            # loads fail) and once the master dropped its segment.
+            # The first round is in flight when the pool dies (its loads
+            # and saves meet the death: mid-transfer with dummy clients);
+            # the second asks once the master dropped its segment.
             for i, (on_a, on_b) in enumerate(dead_rounds):
                 if i:
                     time.sleep(self.args.pool_down_s)
                 with concurrent.futures.ThreadPoolExecutor(2) as bg:
                     fa = bg.submit(asked, a, self.model, on_a)
                     fb = bg.submit(asked, b, self.model, on_b)
+                    if i == 0:
+                        time.sleep(self.args.kill_in_flight_s)
+                        in_flight = not (fa.done() and fb.done())
+                        self.pool.kill()
+                        killed = time.monotonic()
                     a_res, a_dead = fa.result(timeout=REQUEST_TIMEOUT_S + 60)
                     b_res, b_dead = fb.result(timeout=REQUEST_TIMEOUT_S + 60)
                 windows += [a_dead, b_dead]
@@ -711,6 +719,7 @@ class Run:
             "while_dead_later": {
                 key: sum(w[key] for w in windows[2:]) for key in COUNTS
             },
+            "killed_with_requests_in_flight": in_flight,
             "served_while_dead_s": round(served_dead_s, 1),
             "health_polls": health.polls,
             "health_failures": len(health.failures),
@@ -822,6 +831,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kill-after-s", type=float, default=2.0)
     parser.add_argument("--resume-window-s", type=float, default=90.0)
     parser.add_argument("--pool-down-s", type=float, default=12.0)
+    parser.add_argument(
+        "--kill-in-flight-s",
+        type=float,
+        default=0.3,
+        help="pool_death: kill the pool this long after its first "
+        "round of requests was sent",
+    )
     parser.add_argument("--server-start-s", type=float, default=240.0)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument(

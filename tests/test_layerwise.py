@@ -315,3 +315,28 @@ def test_a_request_loading_and_saving_layerwise(make):
     assert c.worker_connector.worker_side.layer_loads_expired == 0
     assert_clean(b)
     assert_clean(c)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_a_request_that_ends_in_its_first_step_still_saves(make, max_tokens):
+    """B extends A's stored prefix and generates ``max_tokens``; C then
+    asks B's whole prompt and must hit all of it. With one token (a
+    prefill-only or P/D prefill request) B finishes in the step it is
+    first scheduled: it loads asynchronously, since a layer-wise load's
+    computed blocks are saved only once the load is known to be in, and
+    it would end before that. With two it loads layer-wise."""
+    store_prefix(make, 10, PREFIX)
+    b = make(num_blocks=40, enable_prefix_caching=False)
+    longer = [*prompt(10, PREFIX), *prompt(11, 2 * 16)]
+    b.add_request("b", longer, max_tokens=max_tokens)
+    seen = _statuses(b, "b")
+    run(b)
+    assert b.external_hit_tokens == PREFIX
+    waited = "WAITING_FOR_REMOTE_KVS" in {st for st, _ in seen}
+    assert waited == (max_tokens == 1)
+    c = make(max_blocks=16, num_blocks=40, enable_prefix_caching=False)
+    c.add_request("c", [*longer, 5], max_tokens=2)
+    run(c)
+    assert c.external_hit_tokens == len(longer)
+    assert_clean(b)
+    assert_clean(c)

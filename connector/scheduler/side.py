@@ -128,6 +128,18 @@ class Role(enum.Enum):
 _ABORT_BY_STATUS: Final[dict[enum.Enum, bool]] = {}
 
 
+def _one_step(request: Any) -> bool:
+    """Whether `request` ends in the step it is first scheduled in.
+
+    Such a request (``max_tokens`` 1: a prefill-only or P/D prefill
+    request) loads asynchronously: the blocks it computes are saved only
+    once its load is known to be in, and a request that finishes in its
+    load's step would leave none saved.
+    """
+    max_tokens = getattr(request, "max_tokens", None)
+    return isinstance(max_tokens, int) and max_tokens <= 1
+
+
 def _aborted(request: Any) -> bool:
     """Whether vLLM finished `request` with an abort or an error."""
     status = getattr(request, "status", None)
@@ -335,7 +347,9 @@ class SchedulerSide:
         if external <= 0:
             return 0, False
         # Block-aligned: `loads_layerwise` as one comparison (a hot path).
-        return external, external > self._layerwise_tokens
+        return external, (
+            external > self._layerwise_tokens or _one_step(request)
+        )
 
     @property
     def layerwise_max_blocks(self) -> int:
@@ -357,7 +371,9 @@ class SchedulerSide:
         larger load could not hide behind one forward pass, so it loads
         asynchronously while vLLM runs other requests.  A pure function
         of the count: `get_num_new_matched_tokens` and the load job
-        decide alike.
+        decide alike.  A request that ends in its first step
+        (``max_tokens`` 1) loads asynchronously whatever the count: its
+        computed blocks could not be saved otherwise (`_one_step`).
         """
         blocks = external_tokens // self.block_size
         return 0 < blocks <= self._layerwise_tokens // self.block_size
@@ -376,7 +392,8 @@ class SchedulerSide:
             allocated = Allocated(
                 blocks.get_block_ids(),
                 num_external_tokens,
-                self.loads_layerwise(num_external_tokens),
+                self.loads_layerwise(num_external_tokens)
+                and not _one_step(request),
             )
             if self.registry.fire_on(
                 tracker, Event.ALLOC_EXTERNAL, data=allocated

@@ -40,6 +40,18 @@ process copies each block into the engine's shared-memory staging.
 ``pool_hit_over_embedded`` and ``dummy_hit_over_embedded`` are their hit
 TTFT medians over the embedded row's, from the same run.
 
+``--partial`` adds the partial-hit rows (issue 32): on two engines, one
+with asynchronous loads and one with layer-wise loads
+(``layerwise_load_max_blocks`` = `LAYERWISE_BLOCKS`), each repetition
+stores the first half of the prompt, then times the whole prompt (half
+its blocks loaded, half computed) and the whole prompt again (the full
+hit); tokens are compared with the main row's cold run of the same
+prompt (the first token; the full hit's tokens equal the partial
+hit's). Their requests generate `PARTIAL_TOKENS` tokens: a one-token
+request always loads asynchronously, so each time is the first token
+plus one decode step. Goal: with layer-wise loads <= `PARTIAL_GOAL` x
+the asynchronous time (``partial_layerwise_over_async``).
+
 ``--tp 1,2`` adds a row per tensor-parallel size (``tp_rows``): the same
 cold and hit TTFT on an engine of that many ranks (vLLM's multiprocess
 executor, one worker process per rank, each loading its own KV shard).
@@ -85,6 +97,11 @@ SIZE = "large"
 BLOCK = 32
 TTFT_GOAL = 5.0
 LOAD_GOAL = 0.8
+PARTIAL_GOAL = 0.8
+PARTIAL_TOKENS = 2
+"""Tokens per request of the partial rows (see `measure_partial`)."""
+LAYERWISE_BLOCKS = 64
+"""``layerwise_load_max_blocks`` of the partial rows' layer-wise engine."""
 LOG_LEVEL = "ERROR"  # vLLM logs to stdout, where the JSON goes
 
 
@@ -104,6 +121,7 @@ def _spec(
     tp: int = 1,
     segment: str | int = "1GB",
     real_client_address: str | None = None,
+    layerwise: int = 0,
 ) -> EngineSpec:
     extra = store_extra(
         master,
@@ -114,6 +132,8 @@ def _spec(
     )
     if real_client_address is not None:
         extra["real_client_address"] = real_client_address
+    if layerwise:
+        extra["layerwise_load_max_blocks"] = layerwise
     blocks = prompt_len // BLOCK + 2
     return EngineSpec(
         model=str(ensure_model(size)),
@@ -213,6 +233,7 @@ def measure_engine(
                         "hit_s": round(hit.seconds, 4),
                         "hit_tokens": hit.num_cached_tokens[0],
                         "same_tokens": hit.token_ids == cold.token_ids,
+                        "cold_tokens": cold.token_ids[0],
                         "load_bytes": bytes1 - bytes0,
                         "load_s": round(seconds1 - seconds0, 5),
                     }
@@ -224,6 +245,100 @@ def measure_engine(
         "runs": runs,
         "block_bytes": sum(w["block_bytes"] for w in workers),
         "illegal": snap["illegal"],
+    }
+
+
+def measure_partial(
+    prompt_len: int, reps: int, threads: int, *, layerwise: int
+) -> dict[str, Any]:
+    """Partial and full hits on one engine (``layerwise``: its bound).
+
+    Each repetition stores the first half of the prompt (a cold run of
+    that half), then times the whole prompt (half loaded, half computed)
+    and the whole prompt again (every full block loaded).
+    """
+    runs: list[dict[str, Any]] = []
+    with (
+        EmbeddedMaster() as master,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        snapshots = Path(tmp)
+        spec = _spec(
+            master,
+            snapshots,
+            prompt_len,
+            threads,
+            mp=False,
+            layerwise=layerwise,
+        )
+        with EngineProcess(spec) as engine:
+            for rep in range(-1, reps):
+                prompt = _prompt(prompt_len, 1000 + rep)
+                engine.generate([prompt[: prompt_len // 2]], 1)
+                settle(engine, snapshots)
+                # Two tokens: a one-token request loads asynchronously
+                # whatever the bound (it would end before its layer-wise
+                # load's blocks could be saved), so both rows time the
+                # first token plus one decode step.
+                partial = engine.generate([prompt], PARTIAL_TOKENS)
+                settle(engine, snapshots)
+                full = engine.generate([prompt], PARTIAL_TOKENS)
+                settle(engine, snapshots)
+                if rep < 0:
+                    continue
+                runs.append(
+                    {
+                        "partial_s": round(partial.seconds, 4),
+                        "partial_hit_tokens": partial.num_cached_tokens[0],
+                        "partial_tokens": partial.token_ids[0],
+                        "full_s": round(full.seconds, 4),
+                        "full_hit_tokens": full.num_cached_tokens[0],
+                        "full_tokens": full.token_ids[0],
+                    }
+                )
+            snap = settle(engine, snapshots)
+    return {"runs": runs, "illegal": snap["illegal"]}
+
+
+def partial_rows(
+    prompt_len: int,
+    reps: int,
+    threads: int,
+    reference: list[list[int]],
+) -> dict[str, Any]:
+    """Half the prompt stored: asynchronous against layer-wise loads.
+
+    ``reference``: per repetition, the prompt's tokens computed from
+    scratch (the main row's cold runs).
+    """
+    rows: dict[str, Any] = {}
+    for name, bound in (("async", 0), ("layerwise", LAYERWISE_BLOCKS)):
+        runs = measure_partial(prompt_len, reps, threads, layerwise=bound)
+        done = runs["runs"]
+        rows[name] = {
+            "layerwise_load_max_blocks": bound,
+            "partial_ttft_median_s": statistics.median(
+                r["partial_s"] for r in done
+            ),
+            "full_ttft_median_s": statistics.median(r["full_s"] for r in done),
+            "partial_hit_tokens": done[0]["partial_hit_tokens"],
+            "full_hit_tokens": done[0]["full_hit_tokens"],
+            "same_tokens_as_cold": all(
+                r["partial_tokens"][:1] == ref[:1]
+                and r["full_tokens"] == r["partial_tokens"]
+                for r, ref in zip(done, reference, strict=True)
+            ),
+            "illegal": runs["illegal"],
+        }
+    lw, a = rows["layerwise"], rows["async"]
+    partial = lw["partial_ttft_median_s"] / a["partial_ttft_median_s"]
+    full = lw["full_ttft_median_s"] / a["full_ttft_median_s"]
+    return {
+        **rows,
+        "partial_layerwise_over_async": round(partial, 3),
+        "full_layerwise_over_async": round(full, 3),
+        "partial_goal": PARTIAL_GOAL,
+        "meets_partial_goal": partial <= PARTIAL_GOAL,
     }
 
 
@@ -406,6 +521,7 @@ def run(
     size: str = SIZE,
     tp_sizes: tuple[int, ...] = (),
     node_pool: bool = False,
+    partial: bool = False,
 ) -> Any:
     """The whole benchmark; returns the JSON document."""
     started = time.monotonic()
@@ -471,6 +587,16 @@ def run(
         "meets_goals": ttft_ratio >= TTFT_GOAL and load_ratio >= LOAD_GOAL,
         "illegal": engine["illegal"],
         "tp_rows": [tp_row(prompt_len, reps, threads, tp) for tp in tp_sizes],
+        "partial": (
+            partial_rows(
+                prompt_len,
+                reps,
+                threads,
+                [r["cold_tokens"] for r in runs],
+            )
+            if partial
+            else None
+        ),
         "hit_load_s_median": statistics.median(r["load_s"] for r in runs),
         "node_pool": pool_row,
         "dummy_pool": dummy_row,
@@ -484,7 +610,7 @@ def _over(row: dict[str, Any] | None, hit: float) -> float | None:
     """A pool row's hit TTFT median over the embedded one's (None: no row)."""
     if row is None or hit <= 0:
         return None
-    return round(row["hit_ttft_median_s"] / hit, 3)
+    return round(float(row["hit_ttft_median_s"]) / hit, 3)
 
 
 def _hybrid_doc(
@@ -549,6 +675,13 @@ def main(argv: list[str] | None = None) -> int:
         "pool's dummy, the pool process copies through shared memory); "
         "both run before the main row",
     )
+    parser.add_argument(
+        "--partial",
+        action="store_true",
+        help="add the partial-hit rows (half of the prompt stored; "
+        "asynchronous against layer-wise loads, then the full hit on "
+        "each; after the main row, whose cold tokens are the reference)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     tp_sizes = tuple(int(t) for t in args.tp.split(",") if t.strip())
@@ -561,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         size=args.model,
         tp_sizes=tp_sizes,
         node_pool=args.node_pool,
+        partial=args.partial,
     )
     if args.json or args.model in HYBRIDS:
         sys.stdout.write(json.dumps(doc) + "\n")

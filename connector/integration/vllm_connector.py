@@ -99,6 +99,8 @@ if TYPE_CHECKING:
         PromMetricT,
     )
 
+    from connector.worker.pieces import HostMemory
+
 log: Final = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S: Final = 10.0
@@ -493,7 +495,9 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         if client is None:
             msg = "register_kv_caches after shutdown"
             raise RuntimeError(msg)
-        lanes = self._lanes(client, kv_caches)
+        # A dummy client moves blocks only through its shared memory.
+        memory = client.staging_memory if client.dummy else None
+        lanes = self._lanes(client, kv_caches, memory)
         probe_s = self._loads.peer_probe_s
         store = SickPeerStore(client, hold_s=probe_s) if probe_s else client
         if lanes:  # hybrid, head-sharded or replicated: lanes of their own
@@ -518,7 +522,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 register=client.register,
                 load_timeout_s=self._loads.timeout_s,
                 layerwise_save_blocks=self._loads.layerwise_save_blocks,
-                memory=client.staging_memory if client.dummy else None,
+                memory=memory,
             )
         self._registered.extend(self._worker.registered)
         self._stats.watch(self._worker.machine)
@@ -590,7 +594,10 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         return [n for n in layers if n in kv_caches]
 
     def _lanes(
-        self, client: StoreClient, kv_caches: dict[str, torch.Tensor]
+        self,
+        client: StoreClient,
+        kv_caches: dict[str, torch.Tensor],
+        memory: HostMemory | None,
     ) -> list[Lane]:
         """Per group, its keys and a transfer over its layers.
 
@@ -614,7 +621,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 keys=self._schemes.lane_keys(g),
                 block_bytes=self._keys[g].layout.block_bytes,
                 deadlines=self._loads.timeout_s is not None,
-                memory=client.staging_memory if client.dummy else None,
+                memory=memory,
             )
             for g in range(len(self._groups.groups))
         ]

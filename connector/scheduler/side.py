@@ -363,7 +363,9 @@ class SchedulerSide:
         hybrid = self.groups.hybrid
         self._layerwise_tokens = 0 if hybrid else blocks * self.block_size
 
-    def loads_layerwise(self, external_tokens: int) -> bool:
+    def loads_layerwise(
+        self, external_tokens: int, request: Any = None
+    ) -> bool:
         """Whether a hit of `external_tokens` loads layer-wise.
 
         The rule: a hit of 1 to `layerwise_max_blocks` blocks, on a model
@@ -371,12 +373,15 @@ class SchedulerSide:
         larger load could not hide behind one forward pass, so it loads
         asynchronously while vLLM runs other requests.  A pure function
         of the count: `get_num_new_matched_tokens` and the load job
-        decide alike.  A request that ends in its first step
+        decide alike.  A `request` that ends in its first step
         (``max_tokens`` 1) loads asynchronously whatever the count: its
         computed blocks could not be saved otherwise (`_one_step`).
+        `get_num_new_matched_tokens` inlines this rule (a hot path).
         """
         blocks = external_tokens // self.block_size
-        return 0 < blocks <= self._layerwise_tokens // self.block_size
+        return 0 < blocks <= self._layerwise_tokens // self.block_size and (
+            request is None or not _one_step(request)
+        )
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
@@ -392,8 +397,7 @@ class SchedulerSide:
             allocated = Allocated(
                 blocks.get_block_ids(),
                 num_external_tokens,
-                self.loads_layerwise(num_external_tokens)
-                and not _one_step(request),
+                self.loads_layerwise(num_external_tokens, request),
             )
             if self.registry.fire_on(
                 tracker, Event.ALLOC_EXTERNAL, data=allocated

@@ -87,6 +87,7 @@ from connector.store.mooncake import (
     _local_address,
     _mooncake_store,
     _probe_master,
+    probe_any,
     probe_tcp,
 )
 from connector.store.regions import Regions, RegionsLike
@@ -309,19 +310,8 @@ class StoreClient:
                 or ``setup_dummy`` failed.
         """
         if store_factory is None:
-            host, _, port = address.rpartition(":")
-            try:
-                probe_tcp(
-                    host.strip("[]"),
-                    int(port),
-                    min(config.rpc_timeout_ms / 1000, 2.0),
-                )
-            except OSError as exc:
-                reason = (
-                    f"no node-level pool process (mooncake_client) accepts "
-                    f"connections at real_client_address {address}: {exc}"
-                )
-                raise StoreUnavailable(address, None, reason) from exc
+            what = "node-level pool process (mooncake_client)"
+            probe_any(address, [address], what, config)
             store_factory = _mooncake_store
         store, replicate = store_factory()
         started = time.monotonic()
@@ -358,7 +348,7 @@ class StoreClient:
         pool process cannot read or write any other memory of this
         process.
         """
-        return self.config.real_client_address is not None
+        return self.config.dummy
 
     def staging_memory(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of host memory a dummy client moves blocks through.

@@ -21,6 +21,8 @@ from connector.errors import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from connector.config import StoreConfig
 
 
@@ -133,15 +135,23 @@ def probe_tcp(host: str, port: int, timeout_s: float) -> None:
         pass
 
 
-def _probe_master(config: StoreConfig) -> None:
-    """Fail fast if nothing accepts TCP connections at the master address.
+def probe_any(
+    address: str,
+    endpoints: Sequence[str],
+    what: str,
+    config: StoreConfig,
+) -> None:
+    """Fail fast unless one of `endpoints` (``host:port``) accepts TCP.
 
-    An ``etcd://`` (HA) address passes when any of its etcd endpoints
-    accepts a connection.
+    Each probe is bounded by ``rpc_timeout_ms`` (at most 2 s).
+
+    Raises:
+        StoreUnavailable: for `address`, naming `what` and each
+            endpoint's error.
     """
     timeout = min(config.rpc_timeout_ms / 1000, 2.0)
     errors: list[str] = []
-    for endpoint in config.master_endpoints:
+    for endpoint in endpoints:
         host, _, port = endpoint.rpartition(":")
         try:
             probe_tcp(host.strip("[]"), int(port), timeout)
@@ -149,6 +159,17 @@ def _probe_master(config: StoreConfig) -> None:
             errors.append(f"{endpoint}: {exc}")
         else:
             return
-    what = "etcd endpoint" if config.master_ha else "master RPC port"
     reason = f"cannot connect to the {what}: {'; '.join(errors)}"
-    raise StoreUnavailable(config.master_server_address, None, reason)
+    raise StoreUnavailable(address, None, reason)
+
+
+def _probe_master(config: StoreConfig) -> None:
+    """Fail fast if nothing accepts TCP connections at the master address.
+
+    An ``etcd://`` (HA) address passes when any of its etcd endpoints
+    accepts a connection.
+    """
+    what = "etcd endpoint" if config.master_ha else "master RPC port"
+    probe_any(
+        config.master_server_address, config.master_endpoints, what, config
+    )

@@ -264,20 +264,23 @@ class LoadStaging:
         A block not in by `deadline` (None: no bound), or of a load the
         watchdog took, is False and never written.
         """
-        flags: list[bool] = []
-        ahead: _Ahead | None = None
+        chunks: list[tuple[list[int], Sequence[str]]] = []
         for first in range(0, len(block_ids), self.slots):
             chunk = list(block_ids[first : first + self.slots])
-            chunk_keys = keys[first : first + len(chunk)]
-            if deadline is None:
+            chunks.append((chunk, keys[first : first + len(chunk)]))
+        flags: list[bool] = []
+        if deadline is None:
+            for chunk, chunk_keys in chunks:
                 flags += self._chunk(store, chunk_keys, chunk)
-                continue
+            return flags
+        ahead: _Ahead | None = None
+        for chunk, chunk_keys in chunks:
             # The next chunk's get runs while this one is scattered.
             started = self._start(store, chunk_keys, chunk, deadline)
             if ahead is not None:
                 flags += self._finish(ahead, deadline)
             ahead = started
-        if ahead is not None and deadline is not None:
+        if ahead is not None:
             flags += self._finish(ahead, deadline)
         return flags
 
@@ -294,20 +297,29 @@ class LoadStaging:
         chunk: list[int],
     ) -> list[bool]:
         """One chunk without a deadline: get inline, then scatter."""
-        failed = [False] * len(chunk)
-        buffer = self._take()
-        if buffer is None:
-            self.shed += 1
-            return failed
-        regions = self._regions.pieces(
-            *_slot_pieces(buffer, self.block_bytes, len(chunk))
-        )
+        lent = self._lend(len(chunk))
+        if lent is None:
+            return [False] * len(chunk)
+        buffer, regions = lent
         try:
             got = store.get(keys, regions).succeeded
             self._scatter(buffer, chunk, got)
         finally:
             self._give(buffer)
         return got
+
+    def _lend(self, blocks: int) -> tuple[torch.Tensor, Any] | None:
+        """A free buffer and the regions of its first `blocks` slots.
+
+        None (counted in `shed`) when every buffer is held by a late get.
+        """
+        buffer = self._take()
+        if buffer is None:
+            self.shed += 1
+            return None
+        return buffer, self._regions.pieces(
+            *_slot_pieces(buffer, self.block_bytes, blocks)
+        )
 
     def _start(
         self,
@@ -319,13 +331,10 @@ class LoadStaging:
         """Hand one chunk's get to a runner (nothing if none can run)."""
         if deadline.left() <= 0:
             return _Ahead(chunk)
-        buffer = self._take()
-        if buffer is None:
-            self.shed += 1
+        lent = self._lend(len(chunk))
+        if lent is None:
             return _Ahead(chunk)
-        regions = self._regions.pieces(
-            *_slot_pieces(buffer, self.block_bytes, len(chunk))
-        )
+        buffer, regions = lent
         call = _Call(
             lambda: store.get(keys, regions).succeeded,
             lambda: self._give(buffer, late=True),

@@ -9,13 +9,10 @@ against recomputation after every step.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("vllm")
 
-from connector.metadata import JobKind
 from connector.ops.procs import NodePool
 from connector.worker.transfer import Staged
 from harness import Harness
@@ -30,6 +27,7 @@ from tests.test_faults_vllm import (
     drive,
     fault_after_first_hit,
     loads_failed,
+    saves_again,
     store_prefix,
 )
 
@@ -140,14 +138,4 @@ def test_pool_process_killed_mid_load_then_restarted(pooled):
     assert side(b).machine.illegal_counts == {}
 
     node.restart()
-    worker = b.worker_connector.worker_side
-    saved = worker.jobs_done[JobKind.SAVE]
-    deadline = time.monotonic() + 20.0
-    n = 0
-    while worker.jobs_done[JobKind.SAVE] == saved:
-        assert time.monotonic() < deadline, "no save after the restart"
-        b.add_request(f"c{n}", prompt(200 + n, 40), max_tokens=2)
-        drive(b)
-        n += 1
-        time.sleep(0.3)
-    assert_clean(b)
+    saves_again(b, 20.0, seed=200, pause_s=0.3)

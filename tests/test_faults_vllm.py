@@ -101,6 +101,22 @@ def drive(h, deadline_s=30.0, until=None):
     return durations
 
 
+def saves_again(h, within_s, seed, pause_s=0.2):
+    """New requests on `h` until its worker saves one (a store fault is
+    over), within `within_s`; then `h` is clean."""
+    worker = h.worker_connector.worker_side
+    saved = worker.jobs_done[JobKind.SAVE]
+    deadline = time.monotonic() + within_s
+    n = 0
+    while worker.jobs_done[JobKind.SAVE] == saved:
+        assert time.monotonic() < deadline, "no save after the restart"
+        h.add_request(f"c{n}", prompt(seed + n, 40), max_tokens=2)
+        drive(h)
+        n += 1
+        time.sleep(pause_s)
+    assert_clean(h)
+
+
 def fault_after_first_hit(h, fault):
     """Inject `fault` right after the first store hit: the load meets it."""
     real = side(h)._lookup
@@ -158,17 +174,7 @@ class TestMasterFaults:
         assert_clean(b)
 
         master.restart()
-        worker = b.worker_connector.worker_side
-        saved = worker.jobs_done[JobKind.SAVE]
-        deadline = time.monotonic() + 15.0
-        n = 0
-        while worker.jobs_done[JobKind.SAVE] == saved:
-            assert time.monotonic() < deadline, "no save after the restart"
-            b.add_request(f"c{n}", prompt(100 + n, 40), max_tokens=2)
-            drive(b)
-            n += 1
-            time.sleep(0.2)
-        assert_clean(b)
+        saves_again(b, 15.0, seed=100)
 
     def test_hung_mid_run_then_resumed(self, faulty):
         """SIGSTOP between lookup and load: every step within the RPC

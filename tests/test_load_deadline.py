@@ -256,6 +256,42 @@ def test_every_staging_buffer_held_by_late_gets_sheds_loads(store_client):
             store_client.unregister(ptr)
 
 
+def store_blocks(store_client, source, sources, keys, registered):
+    """Put blocks `sources` of `source` under `keys` (one object each, in
+    layer order); the registered address goes to `registered`.  Returns
+    the rows put (keep them alive while registered)."""
+    from connector.store import Regions  # noqa: PLC0415
+
+    flat = {name: t.view(NUM_BLOCKS, -1) for name, t in source.items()}
+    rows = torch.cat([flat[n][sources] for n in flat], dim=1).contiguous()
+    ptr, row_bytes = rows.data_ptr(), rows[0].numel() * rows.element_size()
+    store_client.register(ptr, rows.numel() * rows.element_size())
+    registered.append(ptr)
+    regions = Regions.pieces(
+        [[ptr + i * row_bytes] for i in sources],
+        [[row_bytes]] * len(sources),
+    )
+    assert store_client.put(keys, regions).num_failed == 0
+    return rows
+
+
+def staging_for(store_client, target, slots, registered):
+    """A host `LoadStaging` into `target`; its buffers go to `registered`."""
+    from connector.store import Regions  # noqa: PLC0415
+    from connector.worker.pieces import block_pieces  # noqa: PLC0415
+    from connector.worker.transfer import HostOps  # noqa: PLC0415
+
+    return LoadStaging(
+        block_pieces(target, NUM_BLOCKS),
+        Regions,
+        HostOps(torch.device("cpu")),
+        slots=slots,
+        register=lambda p, n: (
+            registered.append(p) or store_client.register(p, n)
+        ),
+    )
+
+
 @pytest.mark.parametrize(
     "targets",
     [
@@ -270,34 +306,14 @@ def test_staged_blocks_land_byte_exact_in_their_targets(
     """Blocks saved from some ids of one cache are loaded through staging
     into other ids of another, in order, every byte where it belongs and
     nothing else touched; both ways of copying in."""
-    from connector.store import Regions  # noqa: PLC0415
-    from connector.worker.pieces import block_pieces  # noqa: PLC0415
-    from connector.worker.transfer import HostOps  # noqa: PLC0415
-
     source, target = kv_caches(seed=1), kv_caches(seed=2)
     before = {name: t.clone() for name, t in target.items()}
     sources = list(range(len(targets)))
     keys = [f"{unique}-staged-{i}" for i in sources]
-    flat = {name: t.view(NUM_BLOCKS, -1) for name, t in source.items()}
-    rows = torch.cat([flat[n][sources] for n in flat], dim=1).contiguous()
-    ptr, row_bytes = rows.data_ptr(), rows[0].numel() * rows.element_size()
-    store_client.register(ptr, rows.numel() * rows.element_size())
-    registered = [ptr]
+    registered: list[int] = []
     try:
-        regions = Regions.pieces(
-            [[ptr + i * row_bytes] for i in sources],
-            [[row_bytes]] * len(sources),
-        )
-        assert store_client.put(keys, regions).num_failed == 0
-        staging = LoadStaging(
-            block_pieces(target, NUM_BLOCKS),
-            Regions,
-            HostOps(torch.device("cpu")),
-            slots=16,
-            register=lambda p, n: (
-                registered.append(p) or store_client.register(p, n)
-            ),
-        )
+        _rows = store_blocks(store_client, source, sources, keys, registered)
+        staging = staging_for(store_client, target, 16, registered)
         try:
             flags = staging.load(
                 store_client, keys, targets, Deadline.after(10)
@@ -342,34 +358,14 @@ def test_a_chunked_load_starts_the_next_get_before_it_copies_in(
     """A load of several chunks hands the next chunk's get to the store
     before the current one is copied into the KV cache (the copy overlaps
     the transfer), and every block still lands byte for byte."""
-    from connector.store import Regions  # noqa: PLC0415
-    from connector.worker.pieces import block_pieces  # noqa: PLC0415
-    from connector.worker.transfer import HostOps  # noqa: PLC0415
-
     source, target = kv_caches(seed=3), kv_caches(seed=4)
     targets = [8, 9, 10, 11, 12, 13]
     sources = list(range(len(targets)))
     keys = [f"{unique}-ahead-{i}" for i in sources]
-    flat = {name: t.view(NUM_BLOCKS, -1) for name, t in source.items()}
-    rows = torch.cat([flat[n][sources] for n in flat], dim=1).contiguous()
-    ptr, row_bytes = rows.data_ptr(), rows[0].numel() * rows.element_size()
-    store_client.register(ptr, rows.numel() * rows.element_size())
-    registered = [ptr]
+    registered: list[int] = []
     try:
-        regions = Regions.pieces(
-            [[ptr + i * row_bytes] for i in sources],
-            [[row_bytes]] * len(sources),
-        )
-        assert store_client.put(keys, regions).num_failed == 0
-        staging = LoadStaging(
-            block_pieces(target, NUM_BLOCKS),
-            Regions,
-            HostOps(torch.device("cpu")),
-            slots=2,
-            register=lambda p, n: (
-                registered.append(p) or store_client.register(p, n)
-            ),
-        )
+        _rows = store_blocks(store_client, source, sources, keys, registered)
+        staging = staging_for(store_client, target, 2, registered)
         store = _Overlap(store_client)
         try:
             flags = staging.load(store, keys, targets, Deadline.after(10))

@@ -769,9 +769,9 @@ class LoadConfig:
             "waits for the KV before each layer, each wait bounded by "
             "``transfer_timeout`` (past it the blocks are recomputed). "
             "Larger hits (a load that would not hide behind one forward "
-            "pass), every hit of a hybrid model and every hit of a "
-            "request that ends in its first step (``max_tokens`` 1) load "
-            "asynchronously. "
+            "pass) and every hit of a hybrid model load asynchronously. "
+            "A request that ends in the step it loads in (one token, EOS) "
+            "has what it computed saved as it finishes. "
             "``0`` (the default), or ``transfer_timeout = 0``: every load "
             "is asynchronous.",
             coerce_int,

@@ -35,9 +35,11 @@ class TransferJob:
         pinned: Whether the scheduler holds a reference on the blocks until
             the job completes (saves only).  An unpinned save must finish
             reading before `wait_for_save` returns.
-        finished: vLLM finished the request before this load was issued
-            (it keeps the blocks until the receive completion): the
-            worker drains the load instead of keeping a tracker for it.
+        finished: vLLM finished the request before this job was issued
+            (a load: vLLM keeps the blocks until the receive completion;
+            a save: pinned, issued as the request finished in its
+            layer-wise load's step): the worker ends the request's
+            tracker as it accepts the job, instead of keeping it.
         group_ids: The KV cache group of each block (hybrid models: a
             job moves (group, block) pairs); empty means every block is
             in group 0.

@@ -157,6 +157,11 @@ def sample_token(prefix_hash: int) -> int:
     return (prefix_hash * 31 + 7) % _VOCAB_SIZE
 
 
+def first_token(prompt_token_ids: Sequence[int]) -> int:
+    """Return the first token "sampled" after this prompt."""
+    return sample_token(prefix_hashes(prompt_token_ids)[-1])
+
+
 # ------------------------------------------------------------------- records
 
 
@@ -724,11 +729,18 @@ class Harness:
     # ------------------------------------------------------------- requests
 
     def add_request(
-        self, req_id: str, prompt_token_ids: Sequence[int], max_tokens: int
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        stop_token_ids: Sequence[int] = (),
     ) -> Request:
         """Add a request that generates exactly `max_tokens` tokens.
 
-        An id may be reused once its previous request has finished.
+        It stops earlier (``FINISHED_STOPPED``) on a token of
+        `stop_token_ids` (`first_token` tells a prompt's first).  An id may
+        be reused once its previous request has finished.
         """
         from vllm.sampling_params import SamplingParams  # noqa: PLC0415
         from vllm.v1.request import Request  # noqa: PLC0415
@@ -743,7 +755,10 @@ class Harness:
             request_id=req_id,
             prompt_token_ids=prompt,
             sampling_params=SamplingParams(
-                max_tokens=max_tokens, ignore_eos=True, detokenize=False
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                detokenize=False,
+                stop_token_ids=list(stop_token_ids) or None,
             ),
             pooling_params=None,
             block_hasher=self._block_hasher,

@@ -317,23 +317,32 @@ def test_a_request_loading_and_saving_layerwise(make):
     assert_clean(c)
 
 
-@pytest.mark.parametrize("max_tokens", [1, 2])
-def test_a_request_that_ends_in_its_first_step_still_saves(make, max_tokens):
-    """B extends A's stored prefix and generates ``max_tokens``; C then
-    asks B's whole prompt and must hit all of it. With one token (a
-    prefill-only or P/D prefill request) B finishes in the step it is
-    first scheduled: it loads asynchronously, since a layer-wise load's
-    computed blocks are saved only once the load is known to be in, and
-    it would end before that. With two it loads layer-wise."""
+@pytest.mark.parametrize("ends", ["max_tokens=1", "stop token", "two tokens"])
+def test_a_request_that_ends_in_its_first_step_still_saves(make, ends):
+    """B extends A's stored prefix and loads it layer-wise; C then asks
+    B's whole prompt and must hit all of it. B ends in the step it is
+    first scheduled (one token: a prefill-only or P/D prefill request;
+    its first token a stop token: EOS), before its load is known to be
+    in through the worker's report: `request_finished` saves what it
+    computed, pinned. With two tokens it saves in its second step."""
+    from harness.scheduler import first_token  # noqa: PLC0415
+
     store_prefix(make, 10, PREFIX)
     b = make(num_blocks=40, enable_prefix_caching=False)
     longer = [*prompt(10, PREFIX), *prompt(11, 2 * 16)]
-    b.add_request("b", longer, max_tokens=max_tokens)
+    stop = [first_token(longer)] if ends == "stop token" else []
+    max_tokens = 2 if ends == "two tokens" else 1 if stop == [] else 4
+    b.add_request("b", longer, max_tokens=max_tokens, stop_token_ids=stop)
     seen = _statuses(b, "b")
     run(b)
     assert b.external_hit_tokens == PREFIX
-    waited = "WAITING_FOR_REMOTE_KVS" in {st for st, _ in seen}
-    assert waited == (max_tokens == 1)
+    assert "WAITING_FOR_REMOTE_KVS" not in {st for st, _ in seen}
+    end = "FINISHED_STOPPED" if stop else "FINISHED_LENGTH_CAPPED"
+    assert seen[-1][0] == end
+    # Scheduled in one step (two for two tokens), from its admission on.
+    steps = 2 if ends == "two tokens" else 1
+    assert [ran for _, ran in seen[: steps + 1]] == [False] + [True] * steps
+    assert sum(ran for _, ran in seen) == steps
     c = make(max_blocks=16, num_blocks=40, enable_prefix_caching=False)
     c.add_request("c", [*longer, 5], max_tokens=2)
     run(c)

@@ -128,16 +128,15 @@ class Role(enum.Enum):
 _ABORT_BY_STATUS: Final[dict[enum.Enum, bool]] = {}
 
 
-def _one_step(request: Any) -> bool:
-    """Whether `request` ends in the step it is first scheduled in.
+def _processed(request: Any) -> int:
+    """Tokens of `request` whose KV is computed (none still in flight).
 
-    Such a request (``max_tokens`` 1: a prefill-only or P/D prefill
-    request) loads asynchronously: the blocks it computes are saved only
-    once its load is known to be in, and a request that finishes in its
-    load's step would leave none saved.
+    Under async scheduling vLLM counts the tokens of a step not run yet.
     """
-    max_tokens = getattr(request, "max_tokens", None)
-    return isinstance(max_tokens, int) and max_tokens <= 1
+    in_flight = getattr(request, "num_in_flight_tokens", 0)
+    return int(request.num_computed_tokens) - (
+        in_flight if isinstance(in_flight, int) else 0
+    )
 
 
 def _aborted(request: Any) -> bool:
@@ -283,6 +282,9 @@ class SchedulerSide:
         # nothing left to save (prompt-only saves), so a steady decode
         # step visits only them, not every running request.
         self._saving: dict[str, RequestTracker] = {}
+        # Pinned saves issued by `request_finished` (a request that ended
+        # in its layer-wise load's step), sent with the next step's jobs.
+        self._saves_after_finish: list[TransferJob] = []
         self.unexpected_reports = 0
         self.state_offers = StateOffers(self.groups, saves=role.saves)
         #: The weights generation of the jobs issued now (None: the
@@ -347,9 +349,7 @@ class SchedulerSide:
         if external <= 0:
             return 0, False
         # Block-aligned: `loads_layerwise` as one comparison (a hot path).
-        return external, (
-            external > self._layerwise_tokens or _one_step(request)
-        )
+        return external, external > self._layerwise_tokens
 
     @property
     def layerwise_max_blocks(self) -> int:
@@ -363,9 +363,7 @@ class SchedulerSide:
         hybrid = self.groups.hybrid
         self._layerwise_tokens = 0 if hybrid else blocks * self.block_size
 
-    def loads_layerwise(
-        self, external_tokens: int, request: Any = None
-    ) -> bool:
+    def loads_layerwise(self, external_tokens: int) -> bool:
         """Whether a hit of `external_tokens` loads layer-wise.
 
         The rule: a hit of 1 to `layerwise_max_blocks` blocks, on a model
@@ -373,15 +371,12 @@ class SchedulerSide:
         larger load could not hide behind one forward pass, so it loads
         asynchronously while vLLM runs other requests.  A pure function
         of the count: `get_num_new_matched_tokens` and the load job
-        decide alike.  A `request` that ends in its first step
-        (``max_tokens`` 1) loads asynchronously whatever the count: its
-        computed blocks could not be saved otherwise (`_one_step`).
+        decide alike.  A request that ends in its load's step (one token,
+        EOS, a stop string) saves what it computed from `request_finished`.
         `get_num_new_matched_tokens` inlines this rule (a hot path).
         """
         blocks = external_tokens // self.block_size
-        return 0 < blocks <= self._layerwise_tokens // self.block_size and (
-            request is None or not _one_step(request)
-        )
+        return 0 < blocks <= self._layerwise_tokens // self.block_size
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
@@ -397,7 +392,7 @@ class SchedulerSide:
             allocated = Allocated(
                 blocks.get_block_ids(),
                 num_external_tokens,
-                self.loads_layerwise(num_external_tokens, request),
+                self.loads_layerwise(num_external_tokens),
             )
             if self.registry.fire_on(
                 tracker, Event.ALLOC_EXTERNAL, data=allocated
@@ -421,6 +416,9 @@ class SchedulerSide:
             if t.state in _LOAD_STATES and t.load_job < 0
         )
         self._loads_to_issue.clear()
+        if self._saves_after_finish:
+            jobs.extend(self._saves_after_finish)
+            self._saves_after_finish.clear()
         self.state_offers.take(so)
         scheduled = so.num_scheduled_tokens
         for new in so.scheduled_new_reqs:
@@ -568,7 +566,12 @@ class SchedulerSide:
         Saves in flight hold their own block references, so the blocks can
         be freed now; a request still loading asynchronously is kept by
         vLLM itself until its single receive completion (DRAINING); one
-        loading layer-wise ends now (vLLM frees its blocks at once).
+        loading layer-wise ends now (vLLM frees its blocks at once).  One
+        that finished normally in its layer-wise load's step (one token,
+        EOS, a stop string) had its load in: vLLM handles the step's load
+        errors before any finish, and a request with one would not have
+        finished.  Its computed blocks are saved by a pinned job in the
+        next step's metadata (`_saves_after_finish`).
         """
         del block_ids  # empty after preemption; saves pinned their own
         abort = _aborted(request)
@@ -586,9 +589,22 @@ class SchedulerSide:
             # A layer-wise load's request runs: vLLM frees its blocks now
             # and awaits no completion, so the load ends with it (its
             # report, if one comes, finds no tracker).
-            self.registry.fire_on(
-                tracker, Event.LOAD_FAILED, data=tracker.load_job
-            )
+            if abort:
+                self.registry.fire_on(
+                    tracker, Event.LOAD_FAILED, data=tracker.load_job
+                )
+            elif (
+                self.registry.fire_on(
+                    tracker, Event.LOAD_DONE, data=tracker.load_job
+                )
+                and self._open.pool is not None  # saves must pin
+            ):
+                self._maybe_save(
+                    tracker,
+                    _processed(request),
+                    self._saves_after_finish,
+                    finished=True,
+                )
         self.registry.fire(req_id, Event.ABORT if abort else Event.FINISH)
         return False, None
 
@@ -1027,8 +1043,13 @@ class SchedulerSide:
         last: int,
         *,
         layerwise: bool = False,
+        finished: bool = False,
     ) -> TransferJob:
-        """A job over every group's blocks of ``[first, last)``."""
+        """A job over every group's blocks of ``[first, last)``.
+
+        `finished`: vLLM finished the request already (so it is when the
+        tracker is DRAINING).
+        """
         job = self._open.issue_range(
             kind,
             tracker.req_id,
@@ -1039,7 +1060,7 @@ class SchedulerSide:
             first=first,
             last=last,
             pin=kind is JobKind.SAVE,
-            finished=tracker.state is State.DRAINING,
+            finished=finished or tracker.state is State.DRAINING,
             states=self.state_offers.for_job(kind, tracker, first, last),
             token_ids=tracker.token_ids,
             layerwise=layerwise,
@@ -1063,7 +1084,12 @@ class SchedulerSide:
         return job
 
     def _maybe_save(
-        self, tracker: RequestTracker, computed: int, jobs: list[TransferJob]
+        self,
+        tracker: RequestTracker,
+        computed: int,
+        jobs: list[TransferJob],
+        *,
+        finished: bool = False,
     ) -> None:
         if tracker.state is not State.SAVING:
             return
@@ -1082,7 +1108,9 @@ class SchedulerSide:
             tracker, Event.SAVE_ISSUED, data=last * bs
         ):
             return
-        job = self._new_job(JobKind.SAVE, tracker, first, last)
+        job = self._new_job(
+            JobKind.SAVE, tracker, first, last, finished=finished
+        )
         self.recent.saving(job.block_hashes)
         jobs.append(job)
 

@@ -658,8 +658,6 @@ class WorkerSide:
                 self.registry.fire_if_tracked(req_id, Event.FINISH)
             for job in meta.jobs:
                 if job.kind is JobKind.LOAD and self._accept(job):
-                    if job.finished:  # its finish notice preceded the job
-                        self.registry.fire(job.req_id, Event.FINISH)
                     if job.layerwise:  # started in start_load_kv
                         self._layer_jobs.append(
                             _LayerLoad(job, self._lanes_for(meta))
@@ -716,6 +714,8 @@ class WorkerSide:
                 accepted = fire(tracker, Event.SAVE_ISSUED, epoch=job.epoch)
             if accepted:
                 tracker.pending_jobs.add(job.job_id)
+                if job.finished:  # its finish notice preceded the job
+                    fire(tracker, Event.FINISH)
                 return True
             verdict = _refusal(tracker, job)
         self._post(job, verdict)

@@ -42,6 +42,11 @@ modes a prompt whose blocks vLLM does not hold (``store_hit`` and
 the master; no scheduler hook waits for the master), so
 ``extra_steps_to_schedule`` is 1 for both kinds; what layer-wise loads
 remove is the step in ``WAITING_FOR_REMOTE_KVS`` (``extra_steps_to_run``).
+``--modes ...,waited`` is ``layerwise`` with ``lookup_wait_ms`` =
+`WAIT_MS`: each new request's lookup is sent from the hook and waited
+for while the step's budget lasts, so the first requests of a step are
+admitted (and run) in the step they arrive; ``admitted_in_arrival_step``
+counts them per kind.
 
 Per (N, set-up), over the bursts: ``connector_us_per_admission`` (all time
 inside the connector's hooks, on the scheduler thread, from the burst's
@@ -119,6 +124,10 @@ MODES = ("none", "noop", "ours", "theirs")
 #: ``ours`` with layer-wise loads (`layerwise_load_max_blocks`): not run
 #: unless named in ``--modes``.
 LAYERWISE = "layerwise"
+WAITED = "waited"
+"""``layerwise`` with a lookup wait budget (``lookup_wait_ms`` =
+`WAIT_MS`): the first lookups of a step are answered inside the hook."""
+WAIT_MS = 2.0
 NODE_POOL = "node_pool"
 """``ours`` with the store's memory in a node-level pool (the wheel's
 ``mooncake_client``, `connector.ops.procs.NodePool`): the stored
@@ -280,17 +289,20 @@ class Run:
         capacity: int,
         forward_s: float,
         real_client_address: str | None = None,
+        wait_ms: float = WAIT_MS,
     ) -> None:
         self.mode = mode
-        ours = (LAYERWISE, NODE_POOL, DUMMY_POOL)
+        ours = (LAYERWISE, WAITED, NODE_POOL, DUMMY_POOL)
         self.base = "ours" if mode in ours else mode
         self.forward_s = forward_s
         self.extra = _extra_config(self.base, master)
         if real_client_address is not None:
             self.extra["global_segment_size"] = 0
             self.extra["real_client_address"] = real_client_address
-        if mode == LAYERWISE:
+        if mode in (LAYERWISE, WAITED):
             self.extra["layerwise_load_max_blocks"] = LAYERWISE_BLOCKS
+        if mode == WAITED:
+            self.extra["lookup_wait_ms"] = wait_ms
         self.server = None
         if mode == "theirs":
             os.environ["VLLM_RPC_BASE_PATH"] = tmp
@@ -405,6 +417,7 @@ def measure(
     repeats: int,
     forward_s: float,
     real_client_address: str | None = None,
+    wait_ms: float = WAIT_MS,
 ) -> dict[str, Any]:
     """Bursts of `burst` new requests on `RUNNING` decoding ones."""
     rng = random.Random(burst)
@@ -416,6 +429,7 @@ def measure(
         capacity=RUNNING + burst + 8,
         forward_s=forward_s,
         real_client_address=real_client_address,
+        wait_ms=wait_ms,
     )
     try:
         for i in range(RUNNING):
@@ -427,6 +441,7 @@ def measure(
         extra_run: dict[str, int] = dict.fromkeys(KINDS, 0)
         step_s: list[float] = []
         loaded: dict[str, int] = dict.fromkeys(KINDS, 0)
+        at_once: dict[str, int] = dict.fromkeys(KINDS, 0)
         running = [
             list(r.prompt_token_ids)
             for r in run.scheduler.requests.values()
@@ -443,7 +458,13 @@ def measure(
                 rng, burst, stored=stored, running=running, missed=missed
             )
             waited, ran, admitted_s = _admit(
-                run, writer, k, burst_of, step_s, loaded=loaded
+                run,
+                writer,
+                k,
+                burst_of,
+                step_s,
+                loaded=loaded,
+                at_once=at_once,
             )
             per_admission.append((admitted_s - before) / burst)
             for kind, n in waited.items():
@@ -461,6 +482,7 @@ def measure(
             "extra_steps_to_schedule": extra_steps,
             "extra_steps_to_run": extra_run,
             "requests_with_external_hits": loaded,
+            "admitted_in_arrival_step": at_once,
             "step_ms_p50": round(percentile(step_s, 50) * 1e3, 3),
             "step_ms_p99": round(percentile(step_s, 99) * 1e3, 3),
         }
@@ -476,11 +498,13 @@ def _admit(
     step_s: list[float],
     *,
     loaded: dict[str, int] | None = None,
+    at_once: dict[str, int] | None = None,
 ) -> tuple[dict[str, int], dict[str, int], float]:
     """Add `burst` at once, step until all of it ran a forward pass.
 
     `loaded` counts, per kind, the requests vLLM admitted with external
     (store) tokens: a ``store_hit`` the lookup answered as a miss shows.
+    `at_once` counts, per kind, those admitted in the step they arrived.
 
     Returns, per kind, the most steps a request of it waited past the
     step it arrived in: until admitted (scheduled, or loading in
@@ -506,6 +530,8 @@ def _admit(
         step_s.append(took)
         for req_id in waiting & admitted:
             waited[req_id] = n
+            if at_once is not None and n == 0:
+                at_once[kinds[req_id]] += 1
         for req_id in not_run & run.ran:
             ran[req_id] = n
             if loaded is not None and req_id in run.external:
@@ -746,7 +772,7 @@ class _Writers:
         self.pool_address: str | None = None
 
     def for_mode(self, mode: str) -> tuple[Any, PrefixWriter | None]:
-        if mode in ("ours", LAYERWISE):
+        if mode in ("ours", LAYERWISE, WAITED):
             if "own" not in self.made:
                 self.made["own"] = PrefixWriter(self.master, "")
             return self.master, self.made["own"]
@@ -783,6 +809,7 @@ def run_all(
     down_s: float,
     forward_s: float,
     tail_s: float = TAIL_S,
+    wait_ms: float = WAIT_MS,
 ) -> dict[str, Any]:
     """Every (burst, mode), then the outage run; the JSON document."""
     from connector.ops.master import EmbeddedMaster  # noqa: PLC0415
@@ -814,6 +841,7 @@ def run_all(
                                     if mode == DUMMY_POOL
                                     else None
                                 ),
+                                wait_ms=wait_ms,
                             )
                         )
                     except Exception as exc:  # noqa: BLE001 - report it
@@ -898,9 +926,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-outage", action="store_true", help="skip the outage run"
     )
+    parser.add_argument(
+        "--wait-ms",
+        type=float,
+        default=WAIT_MS,
+        help="lookup_wait_ms of the waited mode",
+    )
     args = parser.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
-    unknown = set(modes) - {*MODES, LAYERWISE, NODE_POOL, DUMMY_POOL}
+    unknown = set(modes) - {*MODES, LAYERWISE, WAITED, NODE_POOL, DUMMY_POOL}
     if unknown:
         parser.error(f"unknown modes: {sorted(unknown)}")
     logging.basicConfig(level=logging.ERROR)
@@ -912,6 +946,7 @@ def main(argv: list[str] | None = None) -> int:
         down_s=args.down_s,
         forward_s=args.forward_ms / 1e3,
         tail_s=args.tail_s,
+        wait_ms=args.wait_ms,
     )
     if args.json:
         print(json.dumps(doc))

@@ -647,6 +647,22 @@ class LookupConfig:
             coerce_seconds,
         ),
     )
+    wait_ms: float = attrs.field(
+        default=0.0,
+        validator=of_type(float),
+        metadata=key_help(
+            "Scheduler-thread time per step spent waiting for lookups "
+            "sent at once, so a new request is answered in the step it "
+            "arrives (a store hit with layer-wise loads, and a cold "
+            "prompt, then wait no step at all). Each new request's lookup "
+            "is sent when vLLM first asks and waited for while the step's "
+            "budget lasts; later ones wait a step, as with ``0`` (the "
+            "default: no wait). A hung master costs at most this per "
+            "step.",
+            coerce_seconds_or_off,
+            key="lookup_wait_ms",
+        ),
+    )
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object]) -> LookupConfig:

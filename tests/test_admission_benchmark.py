@@ -68,3 +68,27 @@ def test_node_pool_mode_hits_blocks_that_live_in_the_pool(
 def test_unknown_mode_is_rejected():
     with pytest.raises(SystemExit):
         admission.main(["--modes", "ours,bogus"])
+
+
+def test_waited_mode_admits_in_the_arrival_step(capsys, master_binary):
+    """``waited`` (``lookup_wait_ms``): the first requests of a burst
+    that need a lookup (store hits, cold prompts) are admitted in the
+    step they arrive; with ``layerwise`` none is (its lookups answer a
+    step later). A generous budget: this checks the path, not speed."""
+    argv = ["--json", "--arrivals", "8", "--repeats", "1", "--no-outage"]
+    argv += ["--modes", "layerwise,waited", "--wait-ms", "500"]
+
+    assert admission.main(argv) == 0
+
+    rows = json.loads(capsys.readouterr().out)["results"]
+    by_mode = {r["mode"]: r for r in rows}
+    for row in rows:
+        assert "error" not in row, row
+
+    def asked_at_once(row):
+        at_once = row["admitted_in_arrival_step"]
+        return at_once["cold"] + at_once["store_hit"]
+
+    assert asked_at_once(by_mode["layerwise"]) == 0, by_mode["layerwise"]
+    assert asked_at_once(by_mode["waited"]) > 0, by_mode["waited"]
+    assert by_mode["waited"]["requests_with_external_hits"]["store_hit"] > 0

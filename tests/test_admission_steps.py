@@ -94,6 +94,26 @@ def test_a_cold_prefix_still_waits_one_step(make):
     assert_clean(h)
 
 
+def test_with_a_lookup_wait_a_cold_prefix_runs_in_its_first_step(
+    extra, harnesses
+):
+    """``lookup_wait_ms``: the lookup is answered inside the hook."""
+    h = Harness(
+        CONNECTOR,
+        extra_config={**extra, "lookup_wait_ms": 2000},
+        num_blocks=40,
+    )
+    harnesses.append(h)
+    h.add_request("c", prompt(3, 64), max_tokens=2)
+
+    first = h.step()
+
+    assert "c" in first.scheduled
+    assert side(h).lookup_counts["waited"] == 1
+    run(h)
+    assert_clean(h)
+
+
 def test_a_stale_miss_costs_a_miss(make):
     """Another instance saves a remembered miss: b computes it."""
     h = make(num_blocks=40)

@@ -345,6 +345,14 @@ def test_lookup_bounds_default_and_parse() -> None:
     )
     assert got == LookupConfig(20, 8, 11.0)
     assert isinstance(got.failed_load_ttl_s, float)
+    assert (
+        LookupConfig().wait_ms == 0.0
+    )  # no wait: lookups answer a step later
+    waited = LookupConfig.from_extra_config({"lookup_wait_ms": 2})
+    assert waited.wait_ms == 2.0
+    assert isinstance(waited.wait_ms, float)
+    with pytest.raises(ConfigError, match="lookup_wait_ms"):
+        LookupConfig.from_extra_config({"lookup_wait_ms": -1})
 
 
 def test_failed_load_ttl_is_a_declared_key(caplog) -> None:
@@ -468,6 +476,7 @@ def test_connector_keys_derive_from_the_fields():
         "lifecycle_trace_max_events",
         "lookup_timeout_ms",
         "lookup_max_pending",
+        "lookup_wait_ms",
         "failed_load_ttl_s",
         "weights_version",
         "transfer_timeout",

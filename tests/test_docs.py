@@ -139,8 +139,10 @@ def test_configuration_reference_is_generated_from_the_fields(site) -> None:
         "lookup_timeout_ms",
         "lookup_max_pending",
         "failed_load_ttl_s",
+        "lookup_wait_ms",
     ]
     assert lookup[2][1:3] == ["float", "15.0"]
+    assert lookup[3][1:3] == ["float", "0.0"]
     identity = _rows(page, "connector.config.IdentityConfig")
     assert [r[0] for r in identity] == ["weights_version"]
     for cls, table in (

@@ -23,6 +23,7 @@ from tests.connector_helpers import (
     assert_clean,
     prompt,
     run,
+    side,
     store_prefix,
 )
 from tests.worker_helpers import Gate
@@ -39,14 +40,17 @@ def make(extra, harnesses):
     pytest.importorskip("vllm")
     from harness import Harness  # noqa: PLC0415
 
-    def _make(max_blocks=8, timeout=TIMEOUT_S, save_blocks=0, **kwargs):
+    def _make(
+        max_blocks=8, timeout=TIMEOUT_S, save_blocks=0, lookup_wait_ms=0, **kw
+    ):
         conf = {
             **extra,
             "transfer_timeout": timeout,
             "layerwise_load_max_blocks": max_blocks,
             "layerwise_save_blocks": save_blocks,
+            "lookup_wait_ms": lookup_wait_ms,
         }
-        h = Harness(CONNECTOR, extra_config=conf, **kwargs)
+        h = Harness(CONNECTOR, extra_config=conf, **kw)
         harnesses.append(h)
         return h
 
@@ -294,6 +298,22 @@ def test_layerwise_saves_store_the_recomputed_kv(make):
     w = b.worker_connector.worker_side
     assert (w.jobs_done[LOAD], w.layer_loads_expired) == (1, 0)
     assert_clean(a)
+    assert_clean(b)
+
+
+def test_with_a_lookup_wait_a_store_hit_runs_in_the_step_it_arrives(make):
+    """``lookup_wait_ms``: the lookup is sent and answered inside the
+    first ``get_num_new_matched_tokens``, so with a layer-wise load the
+    hit costs no step at all (the asked step is gone too)."""
+    store_prefix(make, 12, PREFIX)
+    b = make(num_blocks=40, enable_prefix_caching=False, lookup_wait_ms=2000)
+    b.add_request("b", [*prompt(12, PREFIX), 5], max_tokens=4)
+    seen = _statuses(b, "b")
+    run(b)
+    assert seen[0] == ("RUNNING", True)  # scheduled in its first step
+    assert "WAITING_FOR_REMOTE_KVS" not in {s for s, _ in seen}
+    assert b.external_hit_tokens == PREFIX
+    assert side(b).lookup_counts["waited"] == 1
     assert_clean(b)
 
 

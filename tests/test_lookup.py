@@ -547,3 +547,104 @@ def test_every_event_of_the_half_is_fired_on_the_scheduler_thread(clock):
     finally:
         side.close()
     assert threads == {threading.get_ident()}
+
+
+# -- lookup_wait_ms: answered in the step a request arrives -----------------
+
+
+class GatedLookup(FakeLookup):
+    """A `FakeLookup` whose calls block until `gate` is set."""
+
+    def __init__(self, stored: int = 2) -> None:
+        super().__init__(stored)
+        self.gate = threading.Event()
+
+    def hit_blocks_many(self, prefixes):
+        self.gate.wait(10.0)
+        return super().hit_blocks_many(prefixes)
+
+
+def threaded(lookup, **kwargs) -> SchedulerSide:
+    return SchedulerSide(
+        block_size=BS,
+        role=Role.BOTH,
+        lookup=lookup,
+        machine=LifecycleMachine(REQUESTS, strict=True),
+        **kwargs,
+    )
+
+
+def test_a_wait_budget_answers_in_the_first_call():
+    """With ``lookup_wait_s`` the hook sends the lookup at once and waits
+    for it: the hit in the first call, no step spent."""
+    lookup = FakeLookup(stored=3)
+    side = threaded(lookup, lookup_wait_s=2.0)
+    try:
+        assert side.get_num_new_matched_tokens(Req("a"), 0) == (48, True)
+        assert side.get_num_new_matched_tokens(Req("b", 2), 16) == (16, True)
+        assert lookup.calls == [1, 1]  # each sent as it was asked
+        assert side.lookup_counts["waited"] == 2
+        assert side.lookup_counts["answered"] == 2
+        assert side.pending_lookups == 0
+    finally:
+        side.lookups.close()
+
+
+def test_without_a_wait_budget_the_first_call_cannot_tell():
+    lookup = FakeLookup(stored=3)
+    side = threaded(lookup)
+    try:
+        assert side.get_num_new_matched_tokens(Req("a"), 0) == (None, False)
+        assert lookup.calls == []  # sent with the step's batch
+        assert side.lookup_counts["waited"] == 0
+    finally:
+        side.lookups.close()
+
+
+def test_a_hung_store_costs_at_most_the_budget_per_step():
+    """A store that does not answer: the first request waits out the
+    step's budget, later ones in the step do not wait at all; the next
+    step has a budget again; answers still arrive and are used."""
+    lookup = GatedLookup(stored=3)
+    side = threaded(lookup, lookup_wait_s=0.05)
+    try:
+        began = time.perf_counter()
+        assert side.get_num_new_matched_tokens(Req("a"), 0) == (None, False)
+        for i in range(5):
+            req = Req(f"b{i}")
+            assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+        spent = time.perf_counter() - began
+        assert 0.045 <= spent < 0.5
+        assert side.lookup_counts["wait_missed"] == 1  # only a waited
+        side.build_connector_meta(Step())  # a new step: a new budget
+        began = time.perf_counter()
+        assert side.get_num_new_matched_tokens(Req("c"), 0) == (None, False)
+        assert 0.045 <= time.perf_counter() - began < 0.5
+        assert side.lookup_counts["wait_missed"] == 2
+        lookup.gate.set()
+        assert side.lookups.wait_idle(5.0)
+        assert side.get_num_new_matched_tokens(Req("a"), 0) == (48, True)
+    finally:
+        lookup.gate.set()
+        side.lookups.close()
+
+
+def test_async_lookups_wait_is_bounded_and_sends_a_queued_lookup():
+    fake = GatedLookup(stored=1)
+    lookups = AsyncLookups(lambda: fake, timeout_s=5.0)
+    try:
+        pending = lookups.start("r", None, 0, Req("r").block_hashes)
+        assert pending.batch >= lookups.batches  # queued, not sent
+        began = time.perf_counter()
+        assert not lookups.wait(pending, 0.03)
+        assert 0.025 <= time.perf_counter() - began < 0.5
+        assert lookups.batches == 1  # the wait sent it
+        fake.gate.set()
+        assert lookups.wait(pending, 5.0)
+        assert pending.found == 1
+    finally:
+        fake.gate.set()
+        lookups.close()
+    unthreaded = AsyncLookups(lambda: fake, timeout_s=5.0, threaded=False)
+    queued = unthreaded.start("r", None, 0, Req("r").block_hashes)
+    assert not unthreaded.wait(queued, 1.0)  # nothing could answer it

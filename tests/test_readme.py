@@ -140,6 +140,7 @@ def test_configuration_reference_lists_every_key_with_its_default() -> None:
     expected["lookup_timeout_ms"] = lookups.timeout_ms
     expected["lookup_max_pending"] = lookups.max_pending
     expected["failed_load_ttl_s"] = lookups.failed_load_ttl_s
+    expected["lookup_wait_ms"] = lookups.wait_ms
     expected["weights_version"] = IdentityConfig().weights_version
     for field in attrs.fields(LoadConfig):
         expected[field.name] = field.default

@@ -288,6 +288,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                     ),
                     world_size=parallel.world_size,
                     lookup_timeout_s=lookups.timeout_ms / 1000,
+                    lookup_wait_s=lookups.wait_ms / 1000,
                     max_pending=lookups.max_pending,
                     failed_keys=FailedKeys(ttl_s, peers=fence),
                     groups=self._groups if hybrid else None,

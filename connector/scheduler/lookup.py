@@ -284,6 +284,34 @@ class AsyncLookups:
         self._yield()
         return pending.done
 
+    def wait(self, pending: PendingLookup, timeout_s: float) -> bool:
+        """Send `pending` now if queued, and wait for its answer.
+
+        At most `timeout_s` on the calling (scheduler) thread; whether it
+        is done.  False at once without a lookup thread.
+        """
+
+        def done() -> bool:  # the lookup thread sets it meanwhile
+            return pending.done
+
+        if done():
+            return True
+        if self._thread is None or timeout_s <= 0:
+            return False
+        if pending.batch >= self.batches:  # still in this step's batch
+            self.dispatch()
+        end = time.perf_counter() + timeout_s
+        signal = self._signal
+        while not done():
+            left = end - time.perf_counter()
+            if left <= 0:
+                return False
+            signal.clear()  # then check: a signal after this is seen
+            if done():
+                break
+            signal.wait(left)
+        return True
+
     def _yield(self) -> None:
         """Hand the GIL to the lookup thread until it signals, bounded."""
         if self._thread is None or self.handoff_s <= 0:

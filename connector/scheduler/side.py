@@ -184,6 +184,10 @@ class SchedulerSide:
             asynchronous (see `loads_layerwise`).
         recent: Memory of recent misses and own saves (default: a fresh
             `RecentBlocks` on `clock`).
+        lookup_wait_s: Scheduler-thread seconds per step spent waiting
+            for lookups sent at once (``lookup_wait_ms``): a request
+            answered within it is admitted in the step it arrives.  0:
+            lookups go out with the step's batch and answer a step later.
     """
 
     def __init__(
@@ -203,6 +207,7 @@ class SchedulerSide:
         clock: Callable[[], float] = time.monotonic,
         recent: RecentBlocks | None = None,
         layerwise_max_blocks: int = 0,
+        lookup_wait_s: float = 0.0,
     ) -> None:
         if block_size <= 0:
             msg = f"block_size must be positive, got {block_size}"
@@ -213,6 +218,11 @@ class SchedulerSide:
                 f"{layerwise_max_blocks}"
             )
             raise ValueError(msg)
+        if lookup_wait_s < 0:
+            msg = f"lookup_wait_s must be >= 0, got {lookup_wait_s}"
+            raise ValueError(msg)
+        self.lookup_wait_s = lookup_wait_s
+        self._wait_left = lookup_wait_s  # this step's
         self.block_size = block_size
         self.role = role
         self.save_decode = save_decode
@@ -403,6 +413,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
         """Fold one scheduling step into lifecycle events and transfer jobs."""
         self._step += 1
+        self._wait_left = self.lookup_wait_s
         so = scheduler_output
         jobs: list[TransferJob] = []
         preempted = self._preempt(so.preempted_req_ids or ())
@@ -761,11 +772,12 @@ class SchedulerSide:
         event: LookupEvent,
         key: tuple[int, int],
         hashes: Any,
-    ) -> None:
+    ) -> PendingLookup | None:
         """Ask the store about `hashes` for `lookup` (``ask``/``refresh``).
 
         The message carries the epoch the event moves the tracker to; it
-        is queued for the lookup thread only if the event applied.
+        is queued for the lookup thread (and returned) only if the event
+        applied.
         """
         pending = self.lookups.message(
             lookup.req_id, lookup, lookup.epoch + 1, hashes, key
@@ -774,6 +786,8 @@ class SchedulerSide:
         if self.lookup_registry.fire_on(lookup, event, data=pending):
             self._busy += (lookup.state in _BUSY) - was
             self.lookups.queue(pending)
+            return pending
+        return None
 
     def _local_hit(
         self,
@@ -826,11 +840,30 @@ class SchedulerSide:
             return 0
         if lookup is None:
             lookup = self._new_lookup(tracker)
-        self._send(
+        pending = self._send(
             lookup, LookupEvent.ASK, key, tracker.block_hashes[: key[1]]
         )
         self.lookup_counts["started"] += 1
+        if pending is not None and self._wait_left > 0:
+            return self._wait_now(lookup, pending)
         return None
+
+    def _wait_now(
+        self, lookup: LookupTracker, pending: PendingLookup
+    ) -> int | None:
+        """Send `pending` now and wait, within the step's budget.
+
+        The answer, or None (in flight: vLLM asks again next step).
+        """
+        began = time.perf_counter()
+        done = self.lookups.wait(pending, self._wait_left)
+        self._wait_left -= time.perf_counter() - began
+        if not done:
+            self.lookup_counts["wait_missed"] += 1
+            return None
+        self.lookup_counts["waited"] += 1
+        self._take(pending)
+        return lookup.hit_tokens if lookup.state in _ANSWERED else None
 
     def _await(self, lookup: LookupTracker) -> int | None:
         """The answer to the lookup asked for the current key.

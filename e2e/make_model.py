@@ -337,6 +337,53 @@ def ensure_model(
     return target
 
 
+TOKENIZER_DIR = "tokenizer-wordlevel"
+
+
+def ensure_tokenizer(vocab_size: int = 512, root: Path = CACHE_ROOT) -> Path:
+    """A word-level tokenizer for the random models; its directory.
+
+    Token ``i`` is the word ``t%03d``: text is the ids written out,
+    separated by spaces, so any id sequence decodes and re-encodes to
+    itself (what vLLM's benchmark client needs to draw prompts).  Ids
+    `BOS_ID` and `EOS_ID` are the special tokens.  The models carry no
+    tokenizer (the servers skip its init); a server and a client that
+    need text are given this one (``--tokenizer``).
+    """
+    import tokenizers  # noqa: PLC0415 - the e2e venv's, not the runtime's
+
+    target = root / f"{TOKENIZER_DIR}-{vocab_size}"
+    if (target / "tokenizer_config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=root))
+    try:
+        vocab = {f"t{i:03d}": i for i in range(vocab_size)}
+        tok = tokenizers.Tokenizer(
+            tokenizers.models.WordLevel(vocab=vocab, unk_token="t000")  # noqa: S106
+        )
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+        tok.decoder = tokenizers.decoders.WordPiece(cleanup=False)
+        tok.save(str(tmp / "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": 4096,
+            "bos_token": f"t{BOS_ID:03d}",
+            "eos_token": f"t{EOS_ID:03d}",
+            "unk_token": "t000",
+            "clean_up_tokenization_spaces": False,
+        }
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config))
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            if not (target / "tokenizer_config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(prog="python -m e2e.make_model")

@@ -208,15 +208,28 @@ class ServerSpec:
     seed: int = 0
     extra_args: tuple[str, ...] = ()
     keep_pythonpath: bool = False
+    tokenizer: str | None = None
 
     def argv(self) -> list[str]:
-        """``python -m vllm.entrypoints.openai.api_server ...``."""
+        """``python -m vllm.entrypoints.openai.api_server ...``.
+
+        Token-id prompts only (``--skip-tokenizer-init``) unless a
+        `tokenizer` is given (`e2e.make_model.ensure_tokenizer`); no
+        connector for an empty `kv_transfer_config`.
+        """
+        connector = (
+            [f"--kv-transfer-config={json.dumps(self.kv_transfer_config)}"]
+            if self.kv_transfer_config
+            else []
+        )
         return [
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
             f"--model={self.model}",
-            "--skip-tokenizer-init",
+            f"--tokenizer={self.tokenizer}"
+            if self.tokenizer
+            else "--skip-tokenizer-init",
             f"--host={HOST}",
             f"--port={self.port}",
             "--enforce-eager",
@@ -229,7 +242,7 @@ class ServerSpec:
             f"--seed={self.seed}",
             # Drain on SIGTERM, so both connector halves shut down.
             f"--shutdown-timeout={self.shutdown_timeout_s}",
-            f"--kv-transfer-config={json.dumps(self.kv_transfer_config)}",
+            *connector,
             *self.extra_args,
         ]
 

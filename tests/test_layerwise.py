@@ -369,3 +369,115 @@ def test_a_request_that_ends_in_its_first_step_still_saves(make, ends):
     assert c.external_hit_tokens == len(longer)
     assert_clean(b)
     assert_clean(c)
+
+
+class _Pool:
+    """The part of vLLM's block pool saves pin: counts references."""
+
+    def __init__(self, n: int) -> None:
+        self.blocks = list(range(n))
+        self.refs = [0] * n
+
+    def touch(self, blocks):
+        for b in blocks:
+            self.refs[b] += 1
+
+    def free_blocks(self, blocks):
+        for b in blocks:
+            self.refs[b] -= 1
+
+
+@pytest.mark.parametrize(
+    ("status", "outputs", "saved"),
+    [
+        ("FINISHED_LENGTH_CAPPED", 1, True),
+        ("FINISHED_STOPPED", 1, True),
+        ("FINISHED_ABORTED", 1, False),  # an abort: nothing is saved
+        ("FINISHED_ERROR", 1, False),  # policy fail: a load error
+        ("FINISHED_LENGTH_CAPPED", 0, False),  # its step never ran
+    ],
+)
+def test_a_finish_in_the_load_step_saves_only_what_ran(status, outputs, saved):
+    """The scheduler half alone: a request that loaded 2 blocks
+    layer-wise and computed 2 more finishes in that step. A normal
+    finish after its step issues one pinned save of the 2 computed
+    blocks (``finished``, in the next step's jobs); an abort, an error
+    or a request with no output (its step never ran) saves nothing."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from connector.metadata import JobKind  # noqa: PLC0415
+    from connector.scheduler.side import Role, SchedulerSide  # noqa: PLC0415
+
+    class Lookup:
+        def hit_blocks_many(self, prefixes):
+            return [2 for _ in prefixes]
+
+    s = SchedulerSide(
+        block_size=16,
+        role=Role.BOTH,
+        lookup=Lookup(),
+        threaded_lookups=False,
+        layerwise_max_blocks=4,
+    )
+    pool = _Pool(16)
+    s.bind_block_pool(pool)
+    req = SimpleNamespace(
+        request_id="r",
+        block_hashes=[bytes([i + 1]) * 8 for i in range(4)],
+        num_prompt_tokens=65,
+        num_tokens=65,
+        prompt_token_ids=list(range(65)),
+        all_token_ids=list(range(65)),
+        status="WAITING",
+        num_computed_tokens=0,
+        num_output_tokens=0,
+        num_in_flight_tokens=0,
+        max_tokens=1,
+    )
+    empty = SimpleNamespace(
+        req_ids=(),
+        new_block_ids=(),
+        num_computed_tokens=(),
+        resumed_req_ids=frozenset(),
+    )
+
+    def step(new=(), scheduled=None):
+        return SimpleNamespace(
+            preempted_req_ids=set(),
+            scheduled_new_reqs=new,
+            num_scheduled_tokens=scheduled or {},
+            scheduled_cached_reqs=empty,
+            finished_req_ids=set(),
+        )
+
+    try:
+        assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+        s.build_connector_meta(step())
+        s.lookups.run_pending()
+        assert s.get_num_new_matched_tokens(req, 0) == (32, False)
+        blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],))
+        s.update_state_after_alloc(req, blocks, 32)
+        new = SimpleNamespace(
+            req_id="r", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=32
+        )
+        meta = s.build_connector_meta(step([new], {"r": 33}))
+        assert [(j.kind, j.layerwise) for j in meta.jobs] == [
+            (JobKind.LOAD, True)
+        ]
+        req.num_computed_tokens = 65  # the step ran (or was scheduled)
+        req.num_output_tokens = outputs
+        req.status = status
+        assert s.request_finished(req, [1, 2, 3, 4, 5]) == (False, None)
+        after = s.build_connector_meta(step())
+        saves = [j for j in after.jobs if j.kind is JobKind.SAVE]
+        if saved:
+            assert [(j.block_ids, j.finished, j.pinned) for j in saves] == [
+                ((3, 4), True, True)
+            ]
+            assert (pool.refs[3], pool.refs[4]) == (1, 1)  # until reported
+        else:
+            assert saves == []
+            assert sum(pool.refs) == 0
+        assert len(s.registry) == 0  # the request's tracker ended
+    finally:
+        s.close()

@@ -139,6 +139,12 @@ def _processed(request: Any) -> int:
     )
 
 
+def _sampled(request: Any) -> bool:
+    """Whether `request` has an output token (a step of it ran)."""
+    tokens = getattr(request, "num_output_tokens", 0)
+    return isinstance(tokens, int) and tokens > 0
+
+
 def _aborted(request: Any) -> bool:
     """Whether vLLM finished `request` with an abort or an error."""
     status = getattr(request, "status", None)
@@ -609,6 +615,7 @@ class SchedulerSide:
                     tracker, Event.LOAD_DONE, data=tracker.load_job
                 )
                 and self._open.pool is not None  # saves must pin
+                and _sampled(request)  # its step ran: computed KV
             ):
                 self._maybe_save(
                     tracker,

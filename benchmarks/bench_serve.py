@@ -41,7 +41,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -67,7 +66,6 @@ parser = FlexibleArgumentParser()
 add_cli_args(parser)
 main(parser.parse_args(sys.argv[1:]))
 """
-_METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
 def goals(rows: dict[str, Any]) -> dict[str, Any]:
@@ -91,16 +89,6 @@ def goals(rows: dict[str, Any]) -> dict[str, Any]:
         "p99_over_plain": round(ours["p99_ttft_ms"] / base["p99_ttft_ms"], 3),
         "met": median and mean and p99,
     }
-
-
-def counter(text: str, name: str) -> float:
-    """The sum of a Prometheus counter's samples in ``text``."""
-    total = 0.0
-    for line in text.splitlines():
-        found = _METRIC.match(line)
-        if found and found.group(1) == name:
-            total += float(found.group(3))
-    return total
 
 
 class Bench:
@@ -205,7 +193,7 @@ class Bench:
         try:
             began = time.monotonic()
             result = self.client(server, name)
-            text = server.metrics_text()
+            totals = server.metrics()
         finally:
             server.stop(timeout_s=30.0)
         keys = (
@@ -219,8 +207,8 @@ class Bench:
             "request_throughput",
         )
         row = {k: result.get(k) for k in keys}
-        row["prompt_tokens"] = counter(text, PROMPT_TOKENS)
-        row["external_prefix_cache_hits"] = counter(text, HITS)
+        row["prompt_tokens"] = totals.get(PROMPT_TOKENS, 0.0)
+        row["external_prefix_cache_hits"] = totals.get(HITS, 0.0)
         row["wall_s"] = round(time.monotonic() - began, 1)
         return row
 

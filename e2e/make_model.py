@@ -30,9 +30,13 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CACHE_ROOT = REPO_ROOT / ".cache" / "models"
@@ -310,31 +314,47 @@ def _is_current(model_dir: Path, size: str, seed: int) -> bool:
     )
 
 
+def _build_in_place(
+    target: Path,
+    write: Callable[[Path], object],
+    current: Callable[[Path], bool],
+) -> Path:
+    """Return `target`, first written by `write` unless `current`.
+
+    Safe against concurrent callers: `write` fills a temporary sibling
+    directory, which is renamed into place; a stale `target` (not
+    `current`) is replaced.
+    """
+    if current(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists() and not current(target):
+            shutil.rmtree(target)  # stale: another spec or a broken write
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            if not current(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def ensure_model(
     size: str = "tiny", seed: int = 0, root: Path = CACHE_ROOT
 ) -> Path:
     """Return ``root/<size>-<seed>``, building it first if needed.
 
-    Safe against concurrent callers: the model is written to a temporary
-    sibling directory and renamed into place.
+    Safe against concurrent callers (`_build_in_place`).
     """
-    target = root / f"{size}-{seed}"
-    if _is_current(target, size, seed):
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{size}-{seed}-", dir=root))
-    try:
-        write_model(tmp, size, seed)
-        if target.exists() and not _is_current(target, size, seed):
-            shutil.rmtree(target)  # stale: another spec or a broken write
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race
-            if not _is_current(target, size, seed):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return _build_in_place(
+        root / f"{size}-{seed}",
+        lambda tmp: write_model(tmp, size, seed),
+        lambda path: _is_current(path, size, seed),
+    )
 
 
 TOKENIZER_DIR = "tokenizer-wordlevel"
@@ -352,12 +372,7 @@ def ensure_tokenizer(vocab_size: int = 512, root: Path = CACHE_ROOT) -> Path:
     """
     import tokenizers  # noqa: PLC0415 - the e2e venv's, not the runtime's
 
-    target = root / f"{TOKENIZER_DIR}-{vocab_size}"
-    if (target / "tokenizer_config.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=root))
-    try:
+    def write(tmp: Path) -> None:
         vocab = {f"t{i:03d}": i for i in range(vocab_size)}
         tok = tokenizers.Tokenizer(
             tokenizers.models.WordLevel(vocab=vocab, unk_token="t000")  # noqa: S106
@@ -374,14 +389,12 @@ def ensure_tokenizer(vocab_size: int = 512, root: Path = CACHE_ROOT) -> Path:
             "clean_up_tokenization_spaces": False,
         }
         (tmp / "tokenizer_config.json").write_text(json.dumps(config))
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race
-            if not (target / "tokenizer_config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return _build_in_place(
+        root / f"{TOKENIZER_DIR}-{vocab_size}",
+        write,
+        lambda path: (path / "tokenizer_config.json").exists(),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,17 +45,21 @@ def test_a_missing_or_failed_row_misses_the_goal():
     assert not bench_serve.goals(failed)["met"]
 
 
-def test_counter_sums_a_metrics_samples():
+def test_the_rows_metrics_sum_each_counters_samples():
+    """The rows read the servers' counters through `e2e.serving`'s
+    `sum_metrics` (`ApiServer.metrics`): samples summed over labels."""
+    from e2e.serving import sum_metrics  # noqa: PLC0415
+
     lines = [
         "# HELP vllm:external_prefix_cache_hits_total hits",
         'vllm:external_prefix_cache_hits_total{engine="0"} 96.0',
         'vllm:external_prefix_cache_hits_total{engine="1"} 32.0',
         "vllm:prompt_tokens_total 640.0",
     ]
-    text = "\n".join(lines)
-    assert bench_serve.counter(text, bench_serve.HITS) == 128.0
-    assert bench_serve.counter(text, bench_serve.PROMPT_TOKENS) == 640.0
-    assert bench_serve.counter(text, "absent_total") == 0.0
+    totals = sum_metrics("\n".join(lines))
+    assert totals.get(bench_serve.HITS, 0.0) == 128.0
+    assert totals.get(bench_serve.PROMPT_TOKENS, 0.0) == 640.0
+    assert totals.get("absent_total", 0.0) == 0.0
 
 
 def test_unknown_rows_are_refused():

@@ -388,7 +388,7 @@ class SchedulerSide:
         asynchronously while vLLM runs other requests.  A pure function
         of the count: `get_num_new_matched_tokens` and the load job
         decide alike.  A request that ends in its load's step (one token,
-        EOS, a stop string) saves what it computed from `request_finished`.
+        EOS) saves what it computed from `request_finished`.
         `get_num_new_matched_tokens` inlines this rule (a hot path).
         """
         blocks = external_tokens // self.block_size
@@ -585,7 +585,7 @@ class SchedulerSide:
         vLLM itself until its single receive completion (DRAINING); one
         loading layer-wise ends now (vLLM frees its blocks at once).  One
         that finished normally in its layer-wise load's step (one token,
-        EOS, a stop string) had its load in: vLLM handles the step's load
+        EOS) had its load in: vLLM handles the step's load
         errors before any finish, and a request with one would not have
         finished.  Its computed blocks are saved by a pinned job in the
         next step's metadata (`_saves_after_finish`).
@@ -869,8 +869,7 @@ class SchedulerSide:
             self.lookup_counts["wait_missed"] += 1
             return None
         self.lookup_counts["waited"] += 1
-        self._take(pending)
-        return lookup.hit_tokens if lookup.state in _ANSWERED else None
+        return self._take_answer(lookup, pending)
 
     def _await(self, lookup: LookupTracker) -> int | None:
         """The answer to the lookup asked for the current key.
@@ -879,13 +878,19 @@ class SchedulerSide:
         """
         pending: PendingLookup = lookup.pending
         if self.lookups.handoff(pending):
-            self._take(pending)
-            return lookup.hit_tokens if lookup.state in _ANSWERED else None
+            return self._take_answer(lookup, pending)
         if self.lookups.clock() < pending.deadline:
             return None
         self.lookup_counts["timed_out"] += 1
         self._fire_lookup(lookup, LookupEvent.TIME_OUT)
         return lookup.hit_tokens
+
+    def _take_answer(
+        self, lookup: LookupTracker, pending: PendingLookup
+    ) -> int | None:
+        """Take `pending`'s (finished) answer: the hit, None if deferred."""
+        self._take(pending)
+        return lookup.hit_tokens if lookup.state in _ANSWERED else None
 
     def _refresh_due(self) -> None:
         """Refresh the oldest short answers of waiting requests.

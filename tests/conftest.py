@@ -283,3 +283,29 @@ def kv_blocks():
     yield make
     for blocks in made:
         blocks.release()
+
+
+@pytest.fixture(scope="module")
+def own_and_reader(master_binary):
+    """A client holding every replica (the only segment) and a reader
+    with no segment, on a master of their own: ``(owner, reader)``."""
+    import attrs  # noqa: PLC0415
+
+    from connector.ops.master import store_config_for  # noqa: PLC0415
+    from connector.store import StoreClient  # noqa: PLC0415
+
+    del master_binary  # the wheel's master is there
+    pool = MasterPool()
+    try:
+        master = pool.start(lease_ttl_ms=500, client_ttl_s=60)
+        config = store_config_for(master, global_segment_size=16 * 1024 * 1024)
+        with (
+            StoreClient.open(config, check_regions=True) as owner,
+            StoreClient.open(
+                attrs.evolve(config, global_segment_size=0),
+                check_regions=True,
+            ) as reader,
+        ):
+            yield owner, reader
+    finally:
+        pool.stop_all()

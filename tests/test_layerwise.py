@@ -41,10 +41,17 @@ def make(extra, harnesses):
     from harness import Harness  # noqa: PLC0415
 
     def _make(
-        max_blocks=8, timeout=TIMEOUT_S, save_blocks=0, lookup_wait_ms=0, **kw
+        max_blocks=8,
+        timeout=TIMEOUT_S,
+        save_blocks=0,
+        lookup_wait_ms=0,
+        segment=None,
+        **kw,
     ):
         conf = {
             **extra,
+            # Another segment size: a store client of its own (a peer).
+            **({"global_segment_size": segment} if segment else {}),
             "transfer_timeout": timeout,
             "layerwise_load_max_blocks": max_blocks,
             "layerwise_save_blocks": save_blocks,
@@ -85,7 +92,116 @@ def test_a_store_hit_runs_in_the_step_it_is_admitted(make):
     w = b.worker_connector.worker_side
     assert w.jobs_done[LOAD] == 1
     assert w.layer_loads_expired == 0
+    # A and B share the process's store client: its own segment's keys
+    # are read whole, zero copy.
+    assert _spanned(w) == 0
     assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+    assert_clean(b)
+
+
+def _spanned(worker):
+    """Loads the worker's staging read in spans of layers."""
+    for lane in worker.lanes:
+        print(
+            "DBG",
+            type(lane.transfer).__name__,
+            getattr(lane.transfer, "loads", None),
+            type(worker._store).__name__,
+            getattr(worker._store, "reads_spans", None),
+        )
+    return sum(
+        getattr(getattr(lane.transfer, "loads", None), "spanned", 0)
+        for lane in worker.lanes
+    )
+
+
+class _SlowSpans:
+    """The store, each span after a load's first told late (a slow peer)."""
+
+    def __init__(self, store, pause_s):
+        self.store = store
+        self.pause_s = pause_s
+        self.told: list[int] = []
+
+    def get_spans(self, keys, ptrs, spans, landed):
+        def slow(index, ok):
+            if index:
+                time.sleep(self.pause_s)
+            self.told.append(index)
+            return landed(index, ok)
+
+        return self.store.get_spans(keys, ptrs, spans, slow)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_peers_hit_is_waited_for_layer_by_layer(make):
+    """B loads A's blocks from A's segment (a store client of its own):
+    the load is read in spans of layers (4 layers: 1, 1, 2), each span
+    late by 50 ms.  The harness checks each layer's KV when its
+    attention runs, so a wait that returned before its layer's span was
+    written fails the run; every span lands, nothing expires.
+    """
+    a = make(num_blocks=40, num_layers=4)
+    a.add_request("a", prompt(13, PREFIX), max_tokens=2)
+    run(a)
+    b = make(
+        num_blocks=40,
+        num_layers=4,
+        segment="48MiB",
+        enable_prefix_caching=False,
+    )
+    w = b.worker_connector.worker_side
+    slow = _SlowSpans(w._store, 0.05)
+    w._store = slow
+    b.add_request("b", [*prompt(13, PREFIX), 5], max_tokens=4)
+    seen = _statuses(b, "b")
+    run(b)
+    assert "WAITING_FOR_REMOTE_KVS" not in {s for s, _ in seen}
+    assert b.external_hit_tokens == PREFIX
+    assert _spanned(w) == 1
+    assert slow.told == [0, 1, 2]
+    assert (w.jobs_done[LOAD], w.jobs_failed[LOAD]) == (1, 0)
+    assert w.layer_loads_expired == 0
+    assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+    assert_clean(b)
+
+
+def test_a_span_past_the_deadline_is_recomputed(make):
+    """The second span arrives after `transfer_timeout`: layer 1's wait
+    returns at the deadline, the blocks are reported as load errors
+    (vLLM recomputes them, the layer already written included), the
+    step is no slower than the deadline allows, and the span that
+    arrives later is never written (the harness checks every layer).
+    """
+    a = make(num_blocks=40, num_layers=4)
+    a.add_request("a", prompt(14, PREFIX), max_tokens=2)
+    run(a)
+    b = make(
+        num_blocks=40,
+        num_layers=4,
+        segment="48MiB",
+        enable_prefix_caching=False,
+    )
+    w = b.worker_connector.worker_side
+    slow = _SlowSpans(w._store, TIMEOUT_S + 0.5)
+    w._store = slow
+    b.add_request("b", [*prompt(14, PREFIX), 5], max_tokens=4)
+    slowest = 0.0
+    end = time.monotonic() + 20
+    while not b.is_idle() and time.monotonic() < end:
+        started = time.monotonic()
+        b.step()
+        slowest = max(slowest, time.monotonic() - started)
+        time.sleep(0.005)
+    assert _spanned(w) == 1
+    assert w.jobs_failed[LOAD] == 1
+    assert TIMEOUT_S <= slowest < TIMEOUT_S + 1.0
+    assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+    time.sleep(0.6)  # the late span told, and refused
+    run(b)
+    assert slow.told == [0, 1]  # the read stopped after the late span
     assert_clean(b)
 
 

@@ -642,7 +642,10 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Wait for the step's layer-wise loads (bounded by their deadline)."""
+        """Wait for this layer's KV of the step's layer-wise loads.
+
+        Bounded by their deadline (`WorkerSide.wait_for_layer_load`).
+        """
         if self._worker is not None:
             self._worker.wait_for_layer_load(layer_name)
 

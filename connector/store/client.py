@@ -805,6 +805,119 @@ class StoreClient:
         finally:
             self._exit()
 
+    @property
+    def reads_spans(self) -> bool:
+        """Whether `get_spans` works here.
+
+        Not on a dummy client: its pool process serves no get sessions.
+        """
+        return not self.config.dummy
+
+    def get_spans(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+        landed: Callable[[int, list[bool]], bool] | None = None,
+    ) -> BatchResult:
+        """Read each key's object span by span, in order.
+
+        Bytes ``[a, b)`` of key ``i``'s object land at ``ptrs[i] + a``,
+        for each ``(a, b)`` of `spans`.  One get session: the master is
+        asked where the keys live once (``batch_get_session_start``),
+        each span is one ranged read of
+        every key still good (no master call).  After each span,
+        ``landed(index, ok)`` gets each key's success so far; False
+        stops the read (the keys not read in full then fail).  A key is
+        HIT only if every span of it arrived in full; a failed key is
+        not read again from another replica (its blocks are recomputed).
+
+        Raises:
+            ValueError: `ptrs` and `keys` differ in length, or a span is
+                empty or out of order.
+            StoreClosedError: after ``close()``.
+        """
+        started = time.perf_counter()
+        keys = keys if isinstance(keys, list) else list(keys)
+        if len(ptrs) != len(keys):
+            msg = f"{len(keys)} keys but {len(ptrs)} buffers"
+            raise ValueError(msg)
+        end = 0
+        for a, b in spans:
+            if not end <= a < b:
+                msg = f"spans must be non-empty and ascending: {list(spans)}"
+                raise ValueError(msg)
+            end = b
+        n = len(keys)
+        if not keys or not spans:
+            return BatchResult(Op.GET, [], [], num_failed=0)
+        self._enter("get")
+        try:
+            if not self.breaker.allow():
+                return self._short(Op.GET, n, started)
+            codes = self._call(self._store.batch_get_session_start, keys)
+            ok = [c >= 0 for c in codes]
+            try:
+                ok = self._read_spans(
+                    keys, ptrs, spans, codes=codes, ok=ok, landed=landed
+                )
+            finally:
+                self._end_session(keys)
+            outcomes = [
+                Outcome.HIT
+                if good
+                else outcome_of_error(c)
+                if c < 0
+                else Outcome.INVALID
+                for good, c in zip(ok, codes, strict=True)
+            ]
+            nbytes = end * sum(ok)
+            return self._finish(Op.GET, outcomes, codes, nbytes, started)
+        finally:
+            self._exit()
+
+    def _read_spans(
+        self,
+        keys: list[str],
+        ptrs: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+        *,
+        codes: list[int],
+        ok: list[bool],
+        landed: Callable[[int, list[bool]], bool] | None,
+    ) -> list[bool]:
+        """The spans of a get session; `codes` gets each failure's code."""
+        ranged = self._store.batch_get_into_multi_buffer_ranges
+        for index, (a, b) in enumerate(spans):
+            live = [i for i, good in enumerate(ok) if good]
+            if live:
+                size = b - a
+                got = self._call(
+                    ranged,
+                    [keys[i] for i in live],
+                    [[ptrs[i] + a] for i in live],
+                    [[size]] * len(live),
+                    [[a]] * len(live),
+                )
+                for i, c in zip(live, got, strict=True):
+                    if c != size:
+                        ok[i] = False
+                        codes[i] = c
+            if landed is not None and not landed(index, list(ok)):
+                if index + 1 < len(spans):  # stopped: the rest unread
+                    for i, good in enumerate(ok):
+                        if good:
+                            ok[i] = False
+                            codes[i] = int(ErrorCode.TRANSFER_FAIL)
+                break
+        return ok
+
+    def _end_session(self, keys: list[str]) -> None:
+        try:
+            self._store.batch_get_session_end(keys)
+        except RuntimeError:
+            log.exception("ending a get session of %d keys raised", len(keys))
+
     def read_replicas(
         self,
         keys: Sequence[str],

@@ -98,6 +98,19 @@ class MooncakeStore(Protocol):
         /,
     ) -> list[int]: ...
 
+    def batch_get_session_start(self, keys: list[str], /) -> list[int]: ...
+
+    def batch_get_into_multi_buffer_ranges(
+        self,
+        keys: list[str],
+        ptrs: list[list[int]],
+        sizes: list[list[int]],
+        src_offsets: list[list[int]],
+        /,
+    ) -> list[int]: ...
+
+    def batch_get_session_end(self, keys: list[str], /) -> int: ...
+
     def batch_remove(self, keys: list[str], force: bool, /) -> list[int]: ...
 
     def remove_all(self, force: bool, /) -> int: ...

@@ -24,6 +24,11 @@ it scatters the one that arrived (two buffers in use), so the copy into
 the KV cache overlaps the store's next transfer.  A chunk that got no
 buffer, or whose get passed the deadline, reads failed on its own.
 
+A load the forward waits for layer by layer (``Deadline.by_layer``) is
+read in spans of layers instead (`layer_spans`): one get session, one
+ranged read per span, each span written as it lands and marked on the
+deadline (`Deadline.wait_for_layer`), never while the watchdog took it.
+
 Without a deadline a load runs inline on the calling thread (no hop).
 Keys the store reads from this process's own segment skip staging
 (``Direct.load`` in `connector.worker.transfer`): that get is a memcpy
@@ -32,11 +37,12 @@ over when it returns.  No vLLM import.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -55,27 +61,39 @@ this on average; then one indexed copy per piece."""
 MAX_BUFFERS: Final = 4
 """Most staging buffers of one load path (late gets each hold one)."""
 
-_OPEN, _CLAIMED, _EXPIRED = range(3)
+_OPEN, _CLAIMED, _EXPIRED, _WRITING = range(4)
 
 
 @attrs.define(eq=False)
 class Deadline:
-    """A load's deadline, and who reports the load: exactly one side.
+    """A load's deadline, its progress, and who reports it: one side.
 
     The loading thread `claim`s the load before it writes into the KV
     cache (and, at the end, before it reports); the watchdog `expire`s
     it once `at` passed.  Whichever comes first wins; the other backs
     off, so a load reported failed by the watchdog is never written.
+
+    A load read layer by layer (`LoadStaging` with spans) writes each
+    span between `begin_write` and `end_write` instead: the watchdog may
+    still take it between two spans (never during one), and a forward
+    waiting for one layer (`wait_for_layer`) goes on once that layer
+    `landed`, or once the load `finish`ed.
     """
 
     at: float
-    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+    #: A forward waits for this load layer by layer (`wait_for_layer`):
+    #: a staged load reads it in spans of layers (`LoadStaging`).
+    by_layer: bool = attrs.field(default=False, kw_only=True)
+    _lock: threading.Condition = attrs.field(factory=threading.Condition)
     _state: int = _OPEN
+    #: Layers whose KV this load has written, every block of it.
+    landed: set[str] = attrs.field(factory=set)
+    _done: bool = False
 
     @classmethod
-    def after(cls, seconds: float) -> Deadline:
+    def after(cls, seconds: float, *, by_layer: bool = False) -> Deadline:
         """`seconds` from now."""
-        return cls(time.monotonic() + seconds)
+        return cls(time.monotonic() + seconds, by_layer=by_layer)
 
     def left(self) -> float:
         """Seconds until `at` (negative once passed)."""
@@ -90,17 +108,57 @@ class Deadline:
             return True
 
     def expire(self) -> bool:
-        """The watchdog reports this load failed (False: claimed)."""
+        """The watchdog reports this load failed.
+
+        False: claimed, or a span is being written (its loading thread
+        reports the load, soon).
+        """
         with self._lock:
-            if self._state == _CLAIMED:
+            if self._state in (_CLAIMED, _WRITING):
                 return False
             self._state = _EXPIRED
+            self._lock.notify_all()
             return True
 
     @property
     def expired(self) -> bool:
         """Whether the watchdog took the load."""
         return self._state == _EXPIRED
+
+    def begin_write(self) -> bool:
+        """One span is about to be written (False: expired, write none)."""
+        with self._lock:
+            if self._state == _EXPIRED:
+                return False
+            if self._state == _OPEN:
+                self._state = _WRITING
+            return True
+
+    def end_write(self, layers: Iterable[str]) -> None:
+        """The span begun last is written: its `layers` landed."""
+        with self._lock:
+            if self._state == _WRITING:
+                self._state = _OPEN
+            self.landed.update(layers)
+            self._lock.notify_all()
+
+    def finish(self) -> None:
+        """The load ended (in, failed or given up): no layer waits more."""
+        with self._lock:
+            self._done = True
+            self._lock.notify_all()
+
+    def wait_for_layer(self, layer: str, timeout_s: float) -> bool:
+        """Whether `layer` landed, or the load ended, within `timeout_s`."""
+        with self._lock:
+            return self._lock.wait_for(
+                lambda: (
+                    self._done
+                    or layer in self.landed
+                    or self._state == _EXPIRED
+                ),
+                max(timeout_s, 0.0),
+            )
 
 
 @attrs.define(eq=False)
@@ -190,6 +248,98 @@ class _Runners:
             self._queue.put(None)
 
 
+@attrs.frozen
+class LayerSpan:
+    """Consecutive layers a layer-wise load reads in one ranged read.
+
+    Attributes:
+        pieces: Their pieces' indices (`block_pieces` order).
+        start: Their first byte in a block's object.
+        end: The byte after their last one.
+        layers: Their names.
+    """
+
+    pieces: range
+    start: int
+    end: int
+    layers: tuple[str, ...]
+
+
+def layer_spans(
+    pieces: Sequence[Piece], offsets: Sequence[int], block_bytes: int
+) -> tuple[LayerSpan, ...]:
+    """Spans of 1, 1, 2, 4, 8, ... layers, the last one up to the end.
+
+    The first layer arrives after one small read, and each span is
+    about as long as every layer before it together: while the forward
+    computes those, the next span moves.  A model of L layers takes
+    about log2(L) + 1 reads (6 for 32), not L, each costing the store's
+    per-call overhead.  Empty (read whole) for fewer than two layers, or
+    when a layer's pieces are not consecutive.
+    """
+    names: list[str] = []
+    first: dict[str, int] = {}
+    for i, piece in enumerate(pieces):
+        if names and names[-1] == piece.layer:
+            continue
+        if piece.layer in first:
+            return ()
+        first[piece.layer] = i
+        names.append(piece.layer)
+    n = len(names)
+    if n < 2:  # noqa: PLR2004 - one layer: one read
+        return ()
+    bounds = [0]
+    size = 1
+    while size < n:
+        bounds.append(size)
+        size *= 2
+    bounds.append(n)
+    spans = []
+    for a, b in itertools.pairwise(bounds):
+        lo = first[names[a]]
+        hi = first[names[b]] if b < n else len(pieces)
+        end = offsets[hi] if hi < len(pieces) else block_bytes
+        spans.append(
+            LayerSpan(range(lo, hi), offsets[lo], end, tuple(names[a:b]))
+        )
+    return tuple(spans)
+
+
+class _Landed:
+    """The spans a runner's get session read so far, for the loader."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._flags: list[list[bool]] = []
+        self._closed = False
+        #: The loader wants no more spans.
+        self.stop = False
+
+    def land(self, index: int, ok: list[bool]) -> bool:
+        """On the runner: span `index` read; whether to read on."""
+        del index
+        with self._cond:
+            self._flags.append(ok)
+            self._cond.notify_all()
+        return not self.stop
+
+    def close(self) -> None:
+        """On the runner: the session ended."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def wait(self, index: int, timeout_s: float) -> list[bool] | None:
+        """Span `index`'s per-key success, or None (late, or not read)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: len(self._flags) > index or self._closed,
+                max(timeout_s, 0.0),
+            )
+            return self._flags[index] if len(self._flags) > index else None
+
+
 class LoadStaging:
     """The load path through host staging buffers, with deadlines.
 
@@ -224,6 +374,9 @@ class LoadStaging:
         for p in pieces[:-1]:
             offsets.append(offsets[-1] + p.nbytes)
         self._offsets = tuple(offsets)
+        self._spans = layer_spans(
+            self._pieces, self._offsets, self.block_bytes
+        )
         self._register = register
         self.max_buffers = max_buffers
         self._lock = threading.Lock()
@@ -236,6 +389,8 @@ class LoadStaging:
         self.late = 0
         #: Chunks failed at once: every buffer was held by a late get.
         self.shed = 0
+        #: Loads read in spans of layers (`layer_spans`).
+        self.spanned = 0
         first = self._take()
         if first is not None:
             self._give(first)
@@ -262,8 +417,22 @@ class LoadStaging:
         """Fill each block from its key (False: not filled).
 
         A block not in by `deadline` (None: no bound), or of a load the
-        watchdog took, is False and never written.
+        watchdog took, is False and never written.  A load a forward
+        waits for layer by layer (``deadline.by_layer``) from a store
+        that reads spans (``reads_spans``) is read in spans of layers
+        (`layer_spans`), each written as it arrives and marked landed on
+        the deadline, when its blocks fit the free buffers.
         """
+        if (
+            deadline is not None
+            and deadline.by_layer
+            and self._spans
+            and block_ids
+            and getattr(store, "reads_spans", False)
+        ):
+            spanned = self._load_spans(store, keys, list(block_ids), deadline)
+            if spanned is not None:
+                return spanned
         chunks: list[tuple[list[int], Sequence[str]]] = []
         for first in range(0, len(block_ids), self.slots):
             chunk = list(block_ids[first : first + self.slots])
@@ -289,6 +458,132 @@ class LoadStaging:
         self._runners.close()
 
     # -- internals ----------------------------------------------------------
+
+    def _load_spans(
+        self,
+        store: BlockStore,
+        keys: Sequence[str],
+        block_ids: list[int],
+        deadline: Deadline,
+    ) -> list[bool] | None:
+        """One get session over every block, written span by span.
+
+        None (nothing started) when the blocks need more buffers than
+        are free.  Each span is written between ``begin_write`` and
+        ``end_write``; a span late by the deadline ends the load (every
+        block False: vLLM recomputes the blocks, including the layers
+        already written) and the buffers go back when the session ends.
+        """
+        n = len(block_ids)
+        if deadline.left() <= 0:
+            return [False] * n
+        buffers = self._lend_all(-(-n // self.slots))
+        if buffers is None:
+            return None
+        slots, size = self.slots, self.block_bytes
+        ptrs = [
+            buffers[i // slots].data_ptr() + (i % slots) * size
+            for i in range(n)
+        ]
+        spans = [(span.start, span.end) for span in self._spans]
+        landed = _Landed()
+        get_spans = store.get_spans  # type: ignore[attr-defined]
+
+        def read() -> list[bool]:
+            try:
+                result = get_spans(keys, ptrs, spans, landed.land)
+                return list(result.succeeded)
+            finally:
+                landed.close()
+
+        def give_late() -> None:
+            for buffer in buffers:
+                self._give(buffer, late=True)
+
+        call = _Call(read, give_late)
+        self._runners.submit(call)
+        self.spanned += 1
+        ok = self._write_spans(buffers, block_ids, landed, deadline)
+        landed.stop = True
+        # Written in full, the session's end has the rest of the deadline;
+        # given up, the runner is not waited for.
+        settled = call.settle(deadline.left() if ok is not None else 0.0)
+        failed = [False] * n
+        return self._end_spans(call, buffers, ok or failed, settled=settled)
+
+    def _end_spans(
+        self,
+        call: _Call,
+        buffers: list[torch.Tensor],
+        ok: list[bool],
+        *,
+        settled: bool,
+    ) -> list[bool]:
+        """A load read in spans ends: its buffers go back.
+
+        Now, or when its session ends (`settled` False: held late).
+        """
+        if settled:
+            for buffer in buffers:
+                self._give(buffer)
+            if call.error is not None:
+                raise call.error
+            return ok
+        with self._lock:  # the runner gives the buffers back at its end
+            self._held_late += len(buffers)
+            if not any(ok):
+                self.late += 1
+        if not any(ok):
+            log.warning(
+                "layer-wise load of %d block(s) passed its deadline; "
+                "recomputed",
+                len(ok),
+            )
+        return ok  # written in full: only the session's end is late
+
+    def _lend_all(self, count: int) -> list[torch.Tensor] | None:
+        """`count` free buffers, or None (and none taken)."""
+        buffers: list[torch.Tensor] = []
+        while len(buffers) < count:
+            buffer = self._take() if count <= self.max_buffers else None
+            if buffer is None:
+                for taken in buffers:
+                    self._give(taken)
+                return None
+            buffers.append(buffer)
+        return buffers
+
+    def _write_spans(
+        self,
+        buffers: list[torch.Tensor],
+        block_ids: list[int],
+        landed: _Landed,
+        deadline: Deadline,
+    ) -> list[bool] | None:
+        """Write each span as it lands (None: one was late or unread)."""
+        ok = [True] * len(block_ids)
+        slots = self.slots
+        for index, span in enumerate(self._spans):
+            flags = landed.wait(index, deadline.left())
+            if flags is None:
+                return None
+            ok = [a and b for a, b in zip(ok, flags, strict=True)]
+            if not any(ok):
+                return ok
+            if not deadline.begin_write():
+                return [False] * len(ok)
+            try:
+                for c, buffer in enumerate(buffers):
+                    lo = c * slots
+                    self._scatter(
+                        buffer,
+                        block_ids[lo : lo + slots],
+                        ok[lo : lo + slots],
+                        span.pieces,
+                    )
+            finally:
+                deadline.end_write(span.layers)
+        return ok
 
     def _chunk(
         self,
@@ -393,9 +688,16 @@ class LoadStaging:
                 self._held_late -= 1
 
     def _scatter(
-        self, buffer: torch.Tensor, chunk: list[int], got: list[bool]
+        self,
+        buffer: torch.Tensor,
+        chunk: list[int],
+        got: list[bool],
+        pieces: range | None = None,
     ) -> None:
-        """Copy the staged blocks that arrived into the KV cache; wait."""
+        """Copy the staged blocks that arrived into the KV cache; wait.
+
+        With `pieces`, only those pieces (a span of layers) are copied.
+        """
         import torch  # noqa: PLC0415 - torch only where blocks move
 
         slots = [i for i, ok in enumerate(got) if ok]
@@ -405,17 +707,24 @@ class LoadStaging:
         k = len(slots)
         targets = [chunk[i] for i in slots]
         runs = block_runs(targets)
+        chosen = range(len(self._pieces)) if pieces is None else pieces
+        lo = self._offsets[chosen[0]]
+        hi = self._offsets[chosen[-1]] + self._pieces[chosen[-1]].nbytes
         with ops.side():
             rows = buffer[: len(chunk)]
             if k < len(chunk):
                 rows = rows[torch.tensor(slots, dtype=torch.int64)]
+            if (lo, hi) != (0, self.block_bytes):
+                rows = rows[:, lo:hi]
             packed = rows.to(ops.device, non_blocking=True)
             ids = None
             if len(runs) * RUN_COPY_RATIO > k:  # scattered: one gather
                 ids = torch.tensor(
                     targets, dtype=torch.int64, device=ops.device
                 )
-            for piece, offset in zip(self._pieces, self._offsets, strict=True):
+            for index in chosen:
+                piece = self._pieces[index]
+                offset = self._offsets[index] - lo
                 view = piece.view
                 # A strided view of each row's bytes of this piece (each
                 # row's part is contiguous): one copy, no intermediate.

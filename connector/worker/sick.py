@@ -109,6 +109,46 @@ class SickPeerStore:
                 flags[i] = ok
         return _Skipped(flags)
 
+    @property
+    def reads_spans(self) -> bool:
+        """The store's ``reads_spans`` (False if it has none)."""
+        return bool(getattr(self._store, "reads_spans", False))
+
+    def get_spans(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+        landed: Callable[[int, list[bool]], bool] | None = None,
+    ) -> Any:
+        """The store's ``get_spans``, minus the keys read from a sick peer.
+
+        Those fail at once (no other replica is read in spans: their
+        blocks are recomputed); `landed` sees them failed.
+        """
+        skip = self._skip(keys)
+        keep = [i for i, s in enumerate(skip) if not s]
+        flags = [False] * len(keys)
+        with self._lock:
+            self.skipped += len(keys) - len(keep)
+        if not keep:
+            return _Skipped(flags)
+        sub = [keys[i] for i in keep]
+
+        def widen(index: int, ok: list[bool]) -> bool:
+            full = [False] * len(keys)
+            for i, good in zip(keep, ok, strict=True):
+                full[i] = good
+            return landed(index, full) if landed is not None else True
+
+        result = self._store.get_spans(
+            sub, [ptrs[i] for i in keep], spans, widen
+        )
+        self._learn(sub, result)
+        for i, ok in zip(keep, result.succeeded, strict=True):
+            flags[i] = ok
+        return _Skipped(flags)
+
     def _get(self, keys: Sequence[str], regions: Any, avoid: bool) -> Any:  # noqa: FBT001
         if avoid:
             return self._store.get(keys, regions, avoid=self.sick())

@@ -370,19 +370,21 @@ class WorkerSide:
             self._start_layer_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Return once this step's layer-wise loads are in, or given up.
+        """Return once this layer's KV of the step's loads is in.
 
-        Bounded by each load's deadline: a load not in by then is
-        reported failed now (its blocks go to
+        Or once a load was given up.  Bounded by each load's deadline: a
+        load not in by then is reported failed now (its blocks go to
         `get_block_ids_with_load_errors`, vLLM recomputes them) and
-        nothing of it is written later.  Blocks move whole, every layer
-        at once, so the first layer's wait is the only one that waits.
+        nothing of it is written later.  A load read in spans of layers
+        (`LoadStaging`, remote keys) lets this layer's attention run once
+        its span is written; one moved whole (keys in this process's own
+        segment, a store without get sessions) is waited for at the
+        first layer.
         """
-        del layer_name
         if self._layer_jobs:
             self._start_layer_loads()
         if self._layer_open:
-            self._settle_layer_loads()
+            self._settle_layer_loads(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, meta: ConnectorMeta | None = None
@@ -529,7 +531,7 @@ class WorkerSide:
         timeout = self.load_timeout_s
         for load in jobs:
             if timeout is not None:
-                load.deadline = Deadline.after(timeout)
+                load.deadline = Deadline.after(timeout, by_layer=True)
             self._layer_open.append(load)
             self._layer_queue.put(load)
 
@@ -539,18 +541,28 @@ class WorkerSide:
                 self._run(load.job, (), load.lanes, load.deadline)
             finally:
                 load.ended.set()
+                if load.deadline is not None:
+                    load.deadline.finish()
 
-    def _settle_layer_loads(self) -> None:
+    def _settle_layer_loads(self, layer: str | None = None) -> None:
         """Wait for the started layer-wise loads, each to its deadline.
 
-        One past it is taken from its transfer (`Deadline.expire`) and
-        reported failed at once, so the forward goes on.
+        With `layer`, a load whose span holding it is written stays open
+        for the later layers' waits.  One past its deadline is taken
+        from its transfer (`Deadline.expire`) and reported failed at
+        once, so the forward goes on.
         """
         loads, self._layer_open = self._layer_open, []
         for load in loads:
             deadline = load.deadline
             if deadline is None:
                 load.ended.wait()
+                continue
+            if layer is not None and deadline.wait_for_layer(
+                layer, deadline.left()
+            ):
+                if not load.ended.is_set():
+                    self._layer_open.append(load)
                 continue
             if load.ended.wait(max(deadline.left(), 0.0)):
                 continue

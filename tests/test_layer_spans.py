@@ -266,3 +266,29 @@ def test_get_spans_reads_each_span_into_place(own_and_reader, unique, opened):
         reader.unregister(buf.data_ptr())
     with pytest.raises(ValueError, match="ascending"):
         reader.get_spans(keys, ptrs, [(512, 1024), (0, 512)])
+
+
+class _Part:
+    """A shard's transfer that records how its load was asked for."""
+
+    def __init__(self):
+        self.by_layer: list[bool] = []
+
+    def load(self, store, keys, block_ids, deadline=None):
+        self.by_layer.append(deadline.by_layer)
+        return [True] * len(block_ids)
+
+
+def test_head_shards_are_read_whole():
+    """Two head shards of one layer: neither may mark the layer landed on
+    its own, so a sharded load reads whole; one shard keeps its spans."""
+    from connector.worker.shards import Sharded  # noqa: PLC0415
+
+    parts = [_Part(), _Part()]
+    deadline = Deadline.after(10, by_layer=True)
+    assert Sharded(parts).load(None, ["a0", "b0"], [1], deadline) == [True]
+    assert [p.by_layer for p in parts] == [[False], [False]]
+    one = _Part()
+    deadline = Deadline.after(10, by_layer=True)
+    assert Sharded([one]).load(None, ["a0"], [1], deadline) == [True]
+    assert one.by_layer == [True]

@@ -565,8 +565,8 @@ class LoadStaging:
         slots = self.slots
         for index, span in enumerate(self._spans):
             flags = landed.wait(index, deadline.left())
-            if flags is None:
-                return None
+            if flags is None or deadline.left() <= 0:
+                return None  # late: not even a span already read
             ok = [a and b for a, b in zip(ok, flags, strict=True)]
             if not any(ok):
                 return ok

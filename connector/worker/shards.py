@@ -131,7 +131,14 @@ class Sharded:
         block_ids: Sequence[int],
         deadline: Deadline | None = None,
     ) -> list[bool]:
-        """Get every shard of every block, each shard by `deadline`."""
+        """Get every shard of every block, each shard by `deadline`.
+
+        Several shards are read whole (``by_layer`` cleared): a layer is
+        in only once every shard of it is, and each shard's spans would
+        mark it landed on their own.
+        """
+        if deadline is not None and len(self.parts) > 1:
+            deadline.by_layer = False
         flags = [True] * len(block_ids)
         for part, part_keys in zip(
             self.parts, self._split(keys, len(block_ids)), strict=True

@@ -4,7 +4,10 @@ A hypothesis `RuleBasedStateMachine` drives the connector's scheduler half
 (`connector.scheduler.side.SchedulerSide`) and worker half
 (`connector.worker.side.WorkerSide`) with real parts: vLLM 0.33's `Request`
 (real block hashes), `BlockPool` and `KVConnectorOutput`, CPU KV tensors
-and the real `mooncake_master`.  A small reference model plays vLLM: which
+and the real `mooncake_master`; the workers read through a client of
+their own with no segment and a load deadline, so every load is a peer's
+(staged) and a layer-wise one is read in spans of layers while the
+forward waits layer by layer.  A small reference model plays vLLM: which
 ids it tracks, which blocks it handed out, which requests wait for their
 KV.  Rules produce what vLLM does (lookups, allocations, scheduling steps
 with preemptions, finishes, output updates with async-scheduling
@@ -29,7 +32,9 @@ Invariants, checked after every rule:
   delayed frees get exactly one send completion;
 - the connector pins only blocks a live request holds and releases each
   pin exactly once (checked on vLLM's real block pool);
-- loaded blocks hold exactly the deterministic content of their hash;
+- loaded blocks hold exactly the deterministic content of their hash,
+  and each layer of a layer-wise load is in when that layer's wait
+  returns, or its blocks are reported that step;
 - a finished request leaves no tracker;
 - a lookup answer is None (held back) only for a waiting request, and a
   request is held back at most until its lookup returns or expires;
@@ -82,9 +87,10 @@ from connector.integration.vllm_connector import LifecycleWorkerMetadata
 from connector.metadata import JobKind, JobResult, TransferJob, WorkerReport
 from connector.scheduler.side import Role, SchedulerSide
 from connector.scheduler.store_lookup import StoreLookup
-from connector.store import Regions
+from connector.store import Regions, StoreClient
 from connector.store.keys import KeyLayout, KeyScheme
 from connector.worker.side import KVLayout, WorkerSide
+from connector.worker.transfer import open_transfer
 from harness.prompts import arithmetic_prompt
 from lifecycle.kv import Event
 from tests.test_faults_vllm import Flaky
@@ -142,10 +148,13 @@ def expected(block_hash: bytes, rank: int) -> torch.Tensor:
 class Env:
     """Module-wide parts: KV shards registered once, fresh namespaces."""
 
-    def __init__(self, client):
+    def __init__(self, client, reader):
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BS, sha256)
         self.client = client
+        # The workers' client: no segment, so every load is a peer's
+        # (staged, and layer-wise ones read in spans of layers).
+        self.reader = reader
         self.kv = [
             {
                 f"layer{i}": torch.zeros(
@@ -158,6 +167,7 @@ class Env:
         self.tensors = [t for shard in self.kv for t in shard.values()]
         for tensor in self.tensors:
             client.register_tensor(tensor)
+            reader.register_tensor(tensor)
         self.layouts = [KVLayout.from_tensors(s, NUM_BLOCKS) for s in self.kv]
         self.run = uuid.uuid4().hex[:8]
         self.examples = 0
@@ -180,11 +190,13 @@ class Env:
             for i, tensor in enumerate(shard.values()):
                 tensor[block_id] = content[i]
 
-    def holds(self, block_id, block_hash, rank):
+    def holds(self, block_id, block_hash, rank, layer=None):
+        """Whether the block holds its content (of one layer, if given)."""
         content = expected(block_hash, rank)
         return all(
             torch.equal(tensor[block_id], content[i])
             for i, tensor in enumerate(self.kv[rank].values())
+            if layer is None or i == layer
         )
 
     def fresh_store(self, tp):
@@ -222,13 +234,19 @@ class Env:
     def close(self):
         for tensor in self.tensors:
             self.client.unregister(tensor.data_ptr())
+            self.reader.unregister(tensor.data_ptr())
 
 
 @pytest.fixture(scope="module")
 def env(store_client):
-    made = Env(store_client)
+    reader = StoreClient.open(
+        attrs.evolve(store_client.config, global_segment_size=0),
+        check_regions=True,
+    )
+    made = Env(store_client, reader)
     yield made
     made.close()
+    reader.close()
 
 
 class PinSpy:
@@ -343,8 +361,7 @@ class OrderingFuzzer(RuleBasedStateMachine):
 
     def connect(self, tp):
         """The connector's halves over `tp` ranks, on a fresh namespace."""
-        for worker in self.workers:
-            worker.shutdown()
+        self.retire_workers()
         self.tp = tp
         schemes, lookup = self.env.fresh_store(tp)
         self.side = SchedulerSide(
@@ -358,12 +375,30 @@ class OrderingFuzzer(RuleBasedStateMachine):
         self.side.bind_block_pool(self.spy)
         self.workers = [
             WorkerSide(
-                self.env.client, scheme, self.env.layouts[rank], Regions
+                self.env.reader,
+                scheme,
+                self.env.layouts[rank],
+                Regions,
+                transfer=open_transfer(
+                    self.env.kv[rank],
+                    NUM_BLOCKS,
+                    Regions,
+                    register=self.env.reader.register,
+                    deadlines=True,
+                ),
+                load_timeout_s=SETTLE_S,
             )
             for rank, scheme in enumerate(schemes)
         ]
 
     # -- helpers --------------------------------------------------------------
+
+    def retire_workers(self):
+        """Shut the workers down; unregister their load staging."""
+        for worker in self.workers:
+            assert worker.shutdown(), "a worker's transfer did not stop"
+            for ptr in worker.registered:
+                self.env.reader.unregister(ptr)
 
     def live(self, *statuses):
         return sorted(
@@ -429,7 +464,7 @@ class OrderingFuzzer(RuleBasedStateMachine):
         if lossy is not None:  # a third of the transfers fail, seeded
             for rank, worker in enumerate(self.workers):
                 seed = f"{lossy}/{rank}"
-                worker._store = Flaky(self.env.client, seed, rate=1 / 3)
+                worker._store = Flaky(self.env.reader, seed, rate=1 / 3)
         for i, family in enumerate(families):
             self.add_request(family, LENGTHS[(family + i) % len(LENGTHS)], 1)
 
@@ -629,10 +664,10 @@ class OrderingFuzzer(RuleBasedStateMachine):
         a rank not in `collect` drains its results a later step, as if
         they had not finished yet.
         """
-        for worker in self.workers:
-            worker.handle_preemptions(meta)
-            worker.start_load_kv(meta)
-            worker.wait_for_layer_load("l0")  # the forward's first layer
+        layerwise = [
+            j for j in meta.jobs if j.kind is JobKind.LOAD and j.layerwise
+        ]
+        unfilled = self.start_and_wait(meta, layerwise)
         for req_id, todo in scheduled.items():
             ref = self.refs[req_id]
             end = ref.computed + todo
@@ -644,9 +679,6 @@ class OrderingFuzzer(RuleBasedStateMachine):
             worker.wait_for_save(meta)
         self.wait_for_transfers()
         recving, invalid, meta_out = set(), set(), None
-        layerwise = [
-            j for j in meta.jobs if j.kind is JobKind.LOAD and j.layerwise
-        ]
         for index, (worker, drain) in enumerate(
             zip(self.workers, collect, strict=False)
         ):
@@ -654,7 +686,7 @@ class OrderingFuzzer(RuleBasedStateMachine):
                 continue
             recving |= worker.get_finished()[1] or set()
             errors = worker.get_block_ids_with_load_errors()
-            self.check_layerwise(layerwise, index, errors)
+            self.check_layerwise(unfilled[index], index, errors)
             invalid |= errors
             report = worker.build_report()
             if report is None:
@@ -680,25 +712,48 @@ class OrderingFuzzer(RuleBasedStateMachine):
                 ref.load = None  # over within its step: nothing awaited
                 self.recompute_from(ref, invalid, job.block_ids)
 
-    def check_layerwise(self, jobs, rank, errors):
-        """A layer-wise load is in by the end of its step's first layer
-        wait, on this rank, or its blocks are reported this step."""
+    def start_and_wait(self, meta, layerwise):
+        """Start the step's loads, then wait layer by layer, as the
+        forward does: per rank, what a layer's wait let through without
+        its KV (it must be reported this step)."""
+        for worker in self.workers:
+            worker.handle_preemptions(meta)
+            worker.start_load_kv(meta)
+        unfilled = [set() for _ in self.workers]
+        for layer in range(LAYERS):
+            for rank, worker in enumerate(self.workers):
+                worker.wait_for_layer_load(f"layer{layer}")
+                unfilled[rank] |= self.unfilled(layerwise, rank, layer)
+        return unfilled
+
+    def unfilled(self, jobs, rank, layer):
+        """Blocks of live layer-wise loads whose `layer` is not in."""
+        missing = set()
         for job in jobs:
             ref = self.refs.get(job.req_id)
             if ref is None or ref.load is not job:
                 continue  # preempted or ended since
-            COVERAGE["layer-wise loads run"] += 1
+            if layer == 0:
+                COVERAGE["layer-wise loads run"] += 1
             for block_id, block_hash in zip(
                 job.block_ids, job.block_hashes, strict=True
             ):
-                if block_id in errors:
-                    COVERAGE["layer-wise blocks recomputed"] += 1
-                elif not self.env.holds(block_id, block_hash, rank):
-                    self.violations.append(
-                        f"{job.req_id}: layer-wise block {block_id} not in "
-                        f"on rank {rank} after the layer's wait, and not "
-                        "reported"
-                    )
+                if not self.env.holds(block_id, block_hash, rank, layer):
+                    missing.add((job.req_id, block_id, layer))
+        return missing
+
+    def check_layerwise(self, unfilled, rank, errors):
+        """A layer-wise load's layer is in when that layer's wait returns,
+        on this rank, or its blocks are reported this step."""
+        for req_id, block_id, layer in sorted(unfilled):
+            if block_id in errors:
+                COVERAGE["layer-wise blocks recomputed"] += 1
+            else:
+                self.violations.append(
+                    f"{req_id}: layer {layer} of layer-wise block "
+                    f"{block_id} not in on rank {rank} after its wait, "
+                    "and not reported"
+                )
 
     def recompute_from(self, ref, invalid, block_ids):
         """vLLM recomputes a running request from its first bad block."""
@@ -864,9 +919,8 @@ class OrderingFuzzer(RuleBasedStateMachine):
         try:
             self.drain()
         finally:
-            for worker in self.workers:
-                worker.shutdown()
             self.tally()
+            self.retire_workers()
 
     def tally(self):
         """Count what the example exercised (the test checks coverage)."""
@@ -902,6 +956,9 @@ class OrderingFuzzer(RuleBasedStateMachine):
             w.jobs_failed[JobKind.LOAD] for w in self.workers
         )
         COVERAGE["examples over two ranks"] += self.tp > 1
+        COVERAGE["layer-wise loads read in spans"] += sum(
+            w.lanes[0].transfer.loads.spanned for w in self.workers
+        )
 
     def step(self):
         """A plain step: nothing preempted or admitted, transfers settled."""
@@ -1003,6 +1060,7 @@ COVERAGE_NEEDED = (
     "lookups expired",
     "layer-wise loads admitted",
     "layer-wise loads run",
+    "layer-wise loads read in spans",
     # "layer-wise blocks recomputed" (a lossy link under a layer-wise
     # load) is counted but not required: the CI budget reaches it only
     # by chance; tests/test_layerwise.py drives that path directly.

@@ -71,7 +71,7 @@ pymatrix:
 # MALLOC_PERTURB_, MALLOC_CHECK_=3 with libc_malloc_debug preloaded): KV
 # memory used after it was freed crashes or corrupts, and the run fails
 # naming the signal (scripts/malloc_check.py).
-MALLOC_CHECK_TESTS ?= tests/test_worker_seams.py tests/test_worker_lifecycle.py tests/test_load_deadline.py tests/test_store_roundtrip.py tests/test_worker_sleep.py tests/test_layerwise.py tests/test_layerwise_saves.py
+MALLOC_CHECK_TESTS ?= tests/test_worker_seams.py tests/test_worker_lifecycle.py tests/test_load_deadline.py tests/test_store_roundtrip.py tests/test_worker_sleep.py tests/test_layerwise.py tests/test_layerwise_saves.py tests/test_layer_spans.py
 MALLOC_CHECK_RUNS ?= 2
 
 malloc-check: $(STAMP)

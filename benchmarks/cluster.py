@@ -221,11 +221,17 @@ def requests_in(results: Sequence[dict[str, Any]]) -> int:
 
 
 def peer_death_and_restart(
-    c: Cluster, *, prefixes: int, per_prefix: int, interval_s: float
+    c: Cluster,
+    *,
+    prefixes: int,
+    per_prefix: int,
+    interval_s: float,
+    **load_keys: Any,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Peer death, then the rolling restart, on one master.
 
-    Returns (peer_death, restart, detail).
+    `load_keys` go into the survivors' extra config (e.g.
+    ``layerwise_load_max_blocks``).  Returns (peer_death, restart, detail).
     """
     master = c.master()
     ns = "cluster"
@@ -241,7 +247,12 @@ def peer_death_and_restart(
         node.call(
             "open",
             key="m1",
-            extra=extra(master, ns, failed_load_ttl_s=c.client_ttl_s + 5.0),
+            extra=extra(
+                master,
+                ns,
+                failed_load_ttl_s=c.client_ttl_s + 5.0,
+                **load_keys,
+            ),
             **survivor,
         )
     survivors = (b, cc)
@@ -610,10 +621,36 @@ def run_hung_peer(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def run_peer_death(args: argparse.Namespace) -> dict[str, Any]:
+    """Only ``peer_death`` and the restart after it (``--only
+    peer_death``); the report."""
+    load_keys: dict[str, Any] = {}
+    if args.layerwise:
+        load_keys["layerwise_load_max_blocks"] = args.layerwise
+    with cluster(args.client_ttl) as c:
+        peer_death, restart, detail = peer_death_and_restart(
+            c,
+            prefixes=args.prefixes,
+            per_prefix=args.per_prefix,
+            interval_s=args.interval,
+            **load_keys,
+        )
+    report: dict[str, Any] = {
+        "peer_death": peer_death,
+        "restart": restart,
+        "load_keys": load_keys,
+    }
+    if args.detail:
+        report["detail"] = detail
+    return report
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every scenario in one cluster run; the report (and detail)."""
     if args.only == "hung_peer":
         return run_hung_peer(args)
+    if args.only == "peer_death":
+        return run_peer_death(args)
     started = time.monotonic()
     with cluster(args.client_ttl) as c:
         peer_death, restart, detail = peer_death_and_restart(
@@ -701,7 +738,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--only",
-        choices=["hung_peer"],
+        choices=["hung_peer", "peer_death"],
         help="run one scenario (its goals only)",
     )
     parser.add_argument(
@@ -723,11 +760,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
     else:
         print(json.dumps(report, indent=2))
-    hung = report["hung_peer"]
     if args.only == "hung_peer":
+        hung = report["hung_peer"]
         good = hung["requests_finished"] == hung["requests"]
         return 0 if good and hung["mismatches"] == 0 else 1
-    pd, full = report["peer_death"], report["store_full"]
+    pd = report["peer_death"]
+    if args.only == "peer_death":
+        good = (
+            pd["requests_finished"] == pd["requests"]
+            and pd["mismatches"] == 0
+            and pd["failed_loads_per_dead_prefix_max"] <= 1
+        )
+        return 0 if good else 1
+    hung, full = report["hung_peer"], report["store_full"]
     ok = (
         pd["requests_finished"] == pd["requests"]
         and hung["requests_finished"] == hung["requests"]

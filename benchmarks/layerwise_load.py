@@ -16,8 +16,9 @@ Modes, alternating within each repetition:
 - ``no_load``: the forward alone (the floor);
 - ``whole``: one get of every block's object (the first layer waits for
   all of it);
-- ``spans``: one get session, spans of 1, 1, 2, 4, 8, 16 layers, each
-  written as it lands (`connector.worker.deadline.layer_spans`).
+- ``spans``: one block per segment read whole (the probe that keeps a
+  dead peer cheap), then one get session, spans of 1, 1, 2, 4, 8, 16
+  layers, each written as it lands (`connector.worker.deadline.layer_spans`).
 
 Per mode, medians over ``--reps``: ``forward_ms`` (first layer's wait to
 the last layer's end), ``stall_ms`` (``forward_ms`` minus ``no_load``'s),

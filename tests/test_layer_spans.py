@@ -257,9 +257,11 @@ def test_get_spans_reads_each_span_into_place(own_and_reader, unique, opened):
             stopped = reader.get_spans(
                 keys, ptrs, [(0, 512), (512, size)], lambda i, ok: False
             )
-            assert stopped.succeeded == [False] * 4
+            # The owner's segment's probe (its first key) was read whole.
+            assert stopped.succeeded == [True, False, False, False]
+            assert buf[0].equal(whole[0])
             assert buf[:, :512].equal(whole[:, :512])
-            assert not buf[:, 512:].any()
+            assert not buf[1:, 512:].any()
         finally:
             reader.unregister(whole.data_ptr())
     finally:
@@ -292,3 +294,74 @@ def test_head_shards_are_read_whole():
     deadline = Deadline.after(10, by_layer=True)
     assert Sharded([one]).load(None, ["a0"], [1], deadline) == [True]
     assert one.by_layer == [True]
+
+
+_OWNER = """
+import json, sys, time
+import torch
+from connector.config import StoreConfig
+from connector.store import Regions, StoreClient
+client = StoreClient.open(StoreConfig.from_mapping(json.loads(sys.argv[1])))
+src = torch.ones(8, 65536, dtype=torch.uint8)
+client.register_tensor(src)
+keys = [f"{sys.argv[2]}-{i}" for i in range(8)]
+ptrs = [src[i].data_ptr() for i in range(8)]
+print(all(client.put(keys, Regions(ptrs, [65536] * 8)).succeeded), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_dead_peers_keys_fail_at_once(unique):
+    """The owner of 8 blocks is SIGKILLed: a read of them in spans fails
+    every key as a transfer failure within a second (its segment's probe
+    fails, no ranged read is tried: Mooncake's ranged reads from a dead
+    peer fail only after seconds, 6 s for 8 keys here), so a layer-wise
+    load and the sick-peer memory learn of the death at once."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from connector.ops.master import EmbeddedMaster, store_config_for  # noqa: PLC0415
+    from connector.store import Outcome, StoreClient  # noqa: PLC0415
+
+    with EmbeddedMaster(client_ttl_s=30) as master:
+        values = {
+            "master_server_address": master.rpc_address,
+            "metadata_server": master.metadata_server,
+            "protocol": "tcp",
+            "device_name": "",
+            "global_segment_size": 16 * 1024 * 1024,
+            "local_buffer_size": 16 * 1024 * 1024,
+            "local_hostname": "127.0.0.1",
+            "log_level": "ERROR",
+        }
+        owner = subprocess.Popen(
+            [sys.executable, "-c", _OWNER, json.dumps(values), unique],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert owner.stdout.readline().strip() == "True"
+            reader_config = store_config_for(master, global_segment_size=0)
+            with StoreClient.open(reader_config) as reader:
+                buf = torch.zeros(8, 65536, dtype=torch.uint8)
+                assert reader.register(buf.data_ptr(), buf.numel())
+                keys = [f"{unique}-{i}" for i in range(8)]
+                ptrs = [buf[i].data_ptr() for i in range(8)]
+                spans = [(0, 16384), (16384, 65536)]
+                assert (
+                    reader.get_spans(keys, ptrs, spans).succeeded == [True] * 8
+                )
+                assert buf.all()
+                owner.kill()
+                owner.wait(10)
+                started = time.monotonic()
+                result = reader.get_spans(keys, ptrs, spans)
+                took = time.monotonic() - started
+                reader.unregister(buf.data_ptr())
+            assert result.succeeded == [False] * 8
+            assert set(result.outcomes) == {Outcome.TRANSFER_FAILED}
+            assert took < 1.5
+        finally:
+            owner.kill()
+            owner.wait(10)

@@ -119,6 +119,27 @@ _KEPT_OPEN: list[Any] = []
 _LEFT_WHY: set[str] = set()
 
 
+_PEER_DOWN: Final = frozenset(
+    {Outcome.TRANSFER_FAILED, Outcome.MASTER_UNREACHABLE, Outcome.TIMEOUT}
+)
+"""A probe's outcomes that fail every key of its segment (`get_spans`)."""
+
+
+def _spans_end(spans: Sequence[tuple[int, int]]) -> int:
+    """The last span's end.
+
+    Raises:
+        ValueError: a span is empty or out of order.
+    """
+    end = 0
+    for a, b in spans:
+        if not end <= a < b:
+            msg = f"spans must be non-empty and ascending: {list(spans)}"
+            raise ValueError(msg)
+        end = b
+    return end
+
+
 def left_open() -> list[str]:
     """Why clients of this process were left to process exit (sorted)."""
     return sorted(_LEFT_WHY)
@@ -823,14 +844,19 @@ class StoreClient:
         """Read each key's object span by span, in order.
 
         Bytes ``[a, b)`` of key ``i``'s object land at ``ptrs[i] + a``,
-        for each ``(a, b)`` of `spans`.  One get session: the master is
-        asked where the keys live once (``batch_get_session_start``),
-        each span is one ranged read of
+        for each ``(a, b)`` of `spans`; ``ptrs[i]`` has room for the whole
+        object (the last span's end).  First one key per segment the keys
+        live in is read whole (a probe: a ranged read from a dead peer
+        fails only after seconds, a whole get at once): a segment whose
+        probe fails fails its keys without a ranged read.  Then one get
+        session over the others (the master is asked where they live
+        once, ``batch_get_session_start``), each span one ranged read of
         every key still good (no master call).  After each span,
-        ``landed(index, ok)`` gets each key's success so far; False
-        stops the read (the keys not read in full then fail).  A key is
-        HIT only if every span of it arrived in full; a failed key is
-        not read again from another replica (its blocks are recomputed).
+        ``landed(index, ok)`` gets each key's success so far (a probed
+        key is in from the first span); False stops the read (the keys
+        not read in full then fail).  A key is HIT only if all of its
+        object arrived; a failed key is not read again from another
+        replica (its blocks are recomputed).
 
         Raises:
             ValueError: `ptrs` and `keys` differ in length, or a span is
@@ -842,12 +868,7 @@ class StoreClient:
         if len(ptrs) != len(keys):
             msg = f"{len(keys)} keys but {len(ptrs)} buffers"
             raise ValueError(msg)
-        end = 0
-        for a, b in spans:
-            if not end <= a < b:
-                msg = f"spans must be non-empty and ascending: {list(spans)}"
-                raise ValueError(msg)
-            end = b
+        end = _spans_end(spans)
         n = len(keys)
         if not keys or not spans:
             return BatchResult(Op.GET, [], [], num_failed=0)
@@ -855,14 +876,16 @@ class StoreClient:
         try:
             if not self.breaker.allow():
                 return self._short(Op.GET, n, started)
-            codes = self._call(self._store.batch_get_session_start, keys)
-            ok = [c >= 0 for c in codes]
-            try:
-                ok = self._read_spans(
-                    keys, ptrs, spans, codes=codes, ok=ok, landed=landed
-                )
-            finally:
-                self._end_session(keys)
+            codes = [end] * n
+            probed = self._probe(keys, ptrs, end, codes)
+            ok = [state is True for state in probed]
+            rest = [i for i, state in enumerate(probed) if state is None]
+            if rest:
+                self._session(keys, ptrs, spans, codes, ok, rest, landed)
+            elif landed is not None:
+                for index in range(len(spans)):
+                    if not landed(index, list(ok)):
+                        break
             outcomes = [
                 Outcome.HIT
                 if good
@@ -876,6 +899,82 @@ class StoreClient:
         finally:
             self._exit()
 
+    def _session(  # noqa: PLR0917 - the read's whole state
+        self,
+        keys: list[str],
+        ptrs: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+        codes: list[int],
+        ok: list[bool],
+        rest: list[int],
+        landed: Callable[[int, list[bool]], bool] | None,
+    ) -> None:
+        """One get session over the keys at `rest`, ended whatever happens."""
+        opened = self._call(
+            self._store.batch_get_session_start, [keys[i] for i in rest]
+        )
+        for i, c in zip(rest, opened, strict=True):
+            ok[i] = c >= 0
+            if c < 0:
+                codes[i] = c
+        try:
+            self._read_spans(
+                keys,
+                ptrs,
+                spans,
+                codes=codes,
+                ok=ok,
+                ranged=[i for i in rest if ok[i]],
+                landed=landed,
+            )
+        finally:
+            self._end_session([keys[i] for i in rest])
+
+    def _probe(
+        self,
+        keys: list[str],
+        ptrs: Sequence[int],
+        size: int,
+        codes: list[int],
+    ) -> list[bool | None]:
+        """Read one key per segment whole.
+
+        Per key: True (read whole), False (failed: its probe or its
+        segment's did) or None (to read in spans).  `codes` gets each
+        failure's code.
+        """
+        where = [
+            found[0] if found else "" for found in self._replica_ends(keys)
+        ]
+        picks = sorted(
+            {w: i for i, w in reversed(list(enumerate(where)))}.values()
+        )
+        got = self._call(
+            self._store.batch_get_into,
+            [keys[i] for i in picks],
+            [ptrs[i] for i in picks],
+            [size] * len(picks),
+        )
+        state: list[bool | None] = [None] * len(keys)
+        down: dict[str, int] = {}
+        for i, c in zip(picks, got, strict=True):
+            state[i] = c == size
+            if c != size:
+                codes[i] = c
+                if c < 0 and outcome_of_error(c) in _PEER_DOWN:
+                    down[where[i]] = c
+        for i, segment in enumerate(where):
+            if state[i] is None and segment in down:
+                state[i] = False
+                codes[i] = down[segment]
+        return state
+
+    def _replica_ends(self, keys: list[str]) -> list[tuple[str, ...]]:
+        """`replica_endpoints` inside a call (entered)."""
+        return [
+            tuple(r.endpoint for r in found) for found in self._replicas(keys)
+        ]
+
     def _read_spans(
         self,
         keys: list[str],
@@ -884,16 +983,20 @@ class StoreClient:
         *,
         codes: list[int],
         ok: list[bool],
+        ranged: list[int],
         landed: Callable[[int, list[bool]], bool] | None,
-    ) -> list[bool]:
-        """The spans of a get session; `codes` gets each failure's code."""
-        ranged = self._store.batch_get_into_multi_buffer_ranges
+    ) -> None:
+        """The spans of a get session over the keys at `ranged`.
+
+        `ok` and `codes` get each key's failure.
+        """
+        read = self._store.batch_get_into_multi_buffer_ranges
         for index, (a, b) in enumerate(spans):
-            live = [i for i, good in enumerate(ok) if good]
+            live = [i for i in ranged if ok[i]]
             if live:
                 size = b - a
                 got = self._call(
-                    ranged,
+                    read,
                     [keys[i] for i in live],
                     [[ptrs[i] + a] for i in live],
                     [[size]] * len(live),
@@ -905,12 +1008,11 @@ class StoreClient:
                         codes[i] = c
             if landed is not None and not landed(index, list(ok)):
                 if index + 1 < len(spans):  # stopped: the rest unread
-                    for i, good in enumerate(ok):
-                        if good:
+                    for i in ranged:
+                        if ok[i]:
                             ok[i] = False
                             codes[i] = int(ErrorCode.TRANSFER_FAIL)
                 break
-        return ok
 
     def _end_session(self, keys: list[str]) -> None:
         try:

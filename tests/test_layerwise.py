@@ -64,6 +64,18 @@ def make(extra, harnesses):
     return _make
 
 
+def _slowest_step(h, limit_s=20):
+    """Step `h` until idle (at most `limit_s`); its slowest step's s."""
+    slowest = 0.0
+    end = time.monotonic() + limit_s
+    while not h.is_idle() and time.monotonic() < end:
+        started = time.monotonic()
+        h.step()
+        slowest = max(slowest, time.monotonic() - started)
+        time.sleep(0.005)
+    return slowest
+
+
 def _statuses(h, req_id, steps=60):
     """Step until `req_id` finished; its status after each step."""
     seen = []
@@ -133,15 +145,12 @@ class _SlowSpans:
         return getattr(self.store, name)
 
 
-def test_a_peers_hit_is_waited_for_layer_by_layer(make):
-    """B loads A's blocks from A's segment (a store client of its own):
-    the load is read in spans of layers (4 layers: 1, 1, 2), each span
-    late by 50 ms.  The harness checks each layer's KV when its
-    attention runs, so a wait that returned before its layer's span was
-    written fails the run; every span lands, nothing expires.
-    """
+def _peer_hit(make, seed, pause_s):
+    """A (4 layers) stores a prefix; B, a peer with a store client of its
+    own, is asked for it, each span after a load's first told `pause_s`
+    late.  Returns (B, its worker, the slow store)."""
     a = make(num_blocks=40, num_layers=4)
-    a.add_request("a", prompt(13, PREFIX), max_tokens=2)
+    a.add_request("a", prompt(seed, PREFIX), max_tokens=2)
     run(a)
     b = make(
         num_blocks=40,
@@ -150,9 +159,20 @@ def test_a_peers_hit_is_waited_for_layer_by_layer(make):
         enable_prefix_caching=False,
     )
     w = b.worker_connector.worker_side
-    slow = _SlowSpans(w._store, 0.05)
+    slow = _SlowSpans(w._store, pause_s)
     w._store = slow
-    b.add_request("b", [*prompt(13, PREFIX), 5], max_tokens=4)
+    b.add_request("b", [*prompt(seed, PREFIX), 5], max_tokens=4)
+    return b, w, slow
+
+
+def test_a_peers_hit_is_waited_for_layer_by_layer(make):
+    """B loads A's blocks from A's segment (a store client of its own):
+    the load is read in spans of layers (4 layers: 1, 1, 2), each span
+    late by 50 ms.  The harness checks each layer's KV when its
+    attention runs, so a wait that returned before its layer's span was
+    written fails the run; every span lands, nothing expires.
+    """
+    b, w, slow = _peer_hit(make, 13, 0.05)
     seen = _statuses(b, "b")
     run(b)
     assert "WAITING_FOR_REMOTE_KVS" not in {s for s, _ in seen}
@@ -172,26 +192,8 @@ def test_a_span_past_the_deadline_is_recomputed(make):
     step is no slower than the deadline allows, and the span that
     arrives later is never written (the harness checks every layer).
     """
-    a = make(num_blocks=40, num_layers=4)
-    a.add_request("a", prompt(14, PREFIX), max_tokens=2)
-    run(a)
-    b = make(
-        num_blocks=40,
-        num_layers=4,
-        segment="48MiB",
-        enable_prefix_caching=False,
-    )
-    w = b.worker_connector.worker_side
-    slow = _SlowSpans(w._store, TIMEOUT_S + 0.5)
-    w._store = slow
-    b.add_request("b", [*prompt(14, PREFIX), 5], max_tokens=4)
-    slowest = 0.0
-    end = time.monotonic() + 20
-    while not b.is_idle() and time.monotonic() < end:
-        started = time.monotonic()
-        b.step()
-        slowest = max(slowest, time.monotonic() - started)
-        time.sleep(0.005)
+    b, w, slow = _peer_hit(make, 14, TIMEOUT_S + 0.5)
+    slowest = _slowest_step(b)
     assert _spanned(w) == 1
     assert w.jobs_failed[LOAD] == 1
     assert TIMEOUT_S <= slowest < TIMEOUT_S + 1.0
@@ -227,13 +229,7 @@ def test_a_late_layer_load_is_given_up_and_recomputed(make):
     w._store = gate
     b.add_request("b", [*prompt(5, PREFIX), 5], max_tokens=4)
     try:
-        slowest = 0.0
-        end = time.monotonic() + 20
-        while not b.is_idle() and time.monotonic() < end:
-            started = time.monotonic()
-            b.step()
-            slowest = max(slowest, time.monotonic() - started)
-            time.sleep(0.005)
+        slowest = _slowest_step(b)
     finally:
         gate.release()
     assert gate.entered.is_set()

@@ -599,11 +599,16 @@ def _ms(
     return out
 
 
+def _load_keys(args: argparse.Namespace) -> dict[str, Any]:
+    """The --only scenario's extra load keys (``--layerwise``)."""
+    if args.layerwise:
+        return {"layerwise_load_max_blocks": args.layerwise}
+    return {}
+
+
 def run_hung_peer(args: argparse.Namespace) -> dict[str, Any]:
     """Only ``hung_peer`` (``--only hung_peer``); the report."""
-    load_keys: dict[str, Any] = {}
-    if args.layerwise:
-        load_keys["layerwise_load_max_blocks"] = args.layerwise
+    load_keys = _load_keys(args)
     with cluster(args.client_ttl) as c:
         owner, reader = c.spawn("H", "R")
         hung, hung_detail = hung_peer(
@@ -624,9 +629,7 @@ def run_hung_peer(args: argparse.Namespace) -> dict[str, Any]:
 def run_peer_death(args: argparse.Namespace) -> dict[str, Any]:
     """Only ``peer_death`` and the restart after it (``--only
     peer_death``); the report."""
-    load_keys: dict[str, Any] = {}
-    if args.layerwise:
-        load_keys["layerwise_load_max_blocks"] = args.layerwise
+    load_keys = _load_keys(args)
     with cluster(args.client_ttl) as c:
         peer_death, restart, detail = peer_death_and_restart(
             c,

@@ -125,6 +125,13 @@ _PEER_DOWN: Final = frozenset(
 """A probe's outcomes that fail every key of its segment (`get_spans`)."""
 
 
+def _endpoints(
+    replicas: Sequence[tuple[Replica, ...]],
+) -> list[tuple[str, ...]]:
+    """Per key, the segments of its replicas, in order."""
+    return [tuple(r.endpoint for r in found) for found in replicas]
+
+
 def _spans_end(spans: Sequence[tuple[int, int]]) -> int:
     """The last span's end.
 
@@ -672,9 +679,7 @@ class StoreClient:
         on any error.  One master call (``batch_get_replica_desc``),
         metadata only.
         """
-        return [
-            tuple(r.endpoint for r in found) for found in self.replicas(keys)
-        ]
+        return _endpoints(self.replicas(keys))
 
     def local_reads(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether a get reads it from this client's own segment.
@@ -944,7 +949,8 @@ class StoreClient:
         failure's code.
         """
         where = [
-            found[0] if found else "" for found in self._replica_ends(keys)
+            found[0] if found else ""
+            for found in _endpoints(self._replicas(keys))
         ]
         picks = sorted(
             {w: i for i, w in reversed(list(enumerate(where)))}.values()
@@ -968,12 +974,6 @@ class StoreClient:
                 state[i] = False
                 codes[i] = down[segment]
         return state
-
-    def _replica_ends(self, keys: list[str]) -> list[tuple[str, ...]]:
-        """`replica_endpoints` inside a call (entered)."""
-        return [
-            tuple(r.endpoint for r in found) for found in self._replicas(keys)
-        ]
 
     def _read_spans(
         self,

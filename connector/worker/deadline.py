@@ -507,9 +507,12 @@ class LoadStaging:
         landed.stop = True
         # Written in full, the session's end has the rest of the deadline;
         # given up, the runner is not waited for.
-        settled = call.settle(deadline.left() if ok is not None else 0.0)
-        failed = [False] * n
-        return self._end_spans(call, buffers, ok or failed, settled=settled)
+        late = ok is None
+        settled = call.settle(0.0 if late else deadline.left())
+        flags = [False] * n if ok is None else ok
+        return self._end_spans(
+            call, buffers, flags, late=late, settled=settled
+        )
 
     def _end_spans(
         self,
@@ -517,11 +520,13 @@ class LoadStaging:
         buffers: list[torch.Tensor],
         ok: list[bool],
         *,
+        late: bool,
         settled: bool,
     ) -> list[bool]:
         """A load read in spans ends: its buffers go back.
 
         Now, or when its session ends (`settled` False: held late).
+        `late`: a span missed the deadline (`ok` is all False).
         """
         if settled:
             for buffer in buffers:
@@ -531,21 +536,23 @@ class LoadStaging:
             return ok
         with self._lock:  # the runner gives the buffers back at its end
             self._held_late += len(buffers)
-            if not any(ok):
+            if late:
                 self.late += 1
-        if not any(ok):
+        if late:
             log.warning(
                 "layer-wise load of %d block(s) passed its deadline; "
                 "recomputed",
                 len(ok),
             )
-        return ok  # written in full: only the session's end is late
+        return ok  # not late: only the session's end is
 
     def _lend_all(self, count: int) -> list[torch.Tensor] | None:
         """`count` free buffers, or None (and none taken)."""
+        if count > self.max_buffers:
+            return None
         buffers: list[torch.Tensor] = []
         while len(buffers) < count:
-            buffer = self._take() if count <= self.max_buffers else None
+            buffer = self._take()
             if buffer is None:
                 for taken in buffers:
                     self._give(taken)

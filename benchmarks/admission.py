@@ -43,10 +43,12 @@ the master; no scheduler hook waits for the master), so
 ``extra_steps_to_schedule`` is 1 for both kinds; what layer-wise loads
 remove is the step in ``WAITING_FOR_REMOTE_KVS`` (``extra_steps_to_run``).
 ``--modes ...,waited`` is ``layerwise`` with ``lookup_wait_ms`` =
-`WAIT_MS`: each new request's lookup is sent from the hook and waited
-for while the step's budget lasts, so the first requests of a step are
-admitted (and run) in the step they arrive; ``admitted_in_arrival_step``
-counts them per kind.
+`WAIT_MS`: each new request's lookup is sent as it arrives
+(``on_new_request``), so a burst's lookups reach the master in a few
+calls, and the hooks wait for the answers while the step's budget lasts:
+the requests answered by then are admitted (and run) in the step they
+arrive; ``admitted_in_arrival_step`` counts them per kind.  The stored
+prefixes are put before each burst arrives.
 
 Per (N, set-up), over the bursts: ``connector_us_per_admission`` (all time
 inside the connector's hooks, on the scheduler thread, from the burst's
@@ -61,7 +63,9 @@ counts, a layer-wise load's does not), ``requests_with_external_hits``
 ``store_hit`` with asynchronous loads; with layer-wise ones, a request
 whose prefix an earlier request of the burst loaded in the same step
 finds it in vLLM's local cache instead), and ``step_ms_p50``/``step_ms_p99``
-over those steps (`schedule()` + `update_from_output()`).  Between the
+over those steps (`schedule()` + `update_from_output()`), and
+``lookup_store_calls_per_burst`` (the master calls the connector's
+admission lookups made per burst, median).  Between the
 two, each step sleeps ``--forward-ms`` (1 ms by default, not timed) in
 place of the forward pass, during which an engine's thread releases the
 GIL: with no such pause a Python lookup thread only gets the GIL every
@@ -233,17 +237,20 @@ class PrefixWriter:
 
 
 def _store_prefixes(
-    writer: PrefixWriter | None, connector: Any, requests: list[Any]
+    writer: PrefixWriter | None, run: Run, prompts: list[list[int]]
 ) -> None:
-    """Store the shared-prefix blocks of `requests` (ours only)."""
+    """Store the shared-prefix blocks of `prompts` (ours only), before
+    their requests arrive (a lookup sent on arrival must find them)."""
     if writer is None:
         return
     # The connector's own keys; group 0 is the full-attention group.
-    scheme = connector._keys[0]  # noqa: SLF001
+    scheme = run.connector._keys[0]  # noqa: SLF001
     keys = {
         key
-        for r in requests
-        for key in scheme.keys(r.block_hashes[:PREFIX_BLOCKS])
+        for prompt in prompts
+        for key in scheme.keys(
+            run.h.block_hashes_of(prompt[: PREFIX_BLOCKS * BLOCK])
+        )
     }
     writer.put(sorted(keys))
 
@@ -354,6 +361,13 @@ class Run:
         return self.timer.seconds if self.timer else 0.0
 
     @property
+    def lookup_store_calls(self) -> int:
+        """Store calls the connector's admission lookups made so far."""
+        side = getattr(self.connector, "scheduler_side", None)
+        lookups = getattr(side, "lookups", None)
+        return int(getattr(lookups, "store_calls", 0))
+
+    @property
     def connector_gc_s(self) -> float:
         """Collector pauses that began inside the connector's hooks."""
         return self.timer.gc_seconds if self.timer else 0.0
@@ -447,9 +461,11 @@ def measure(
             for r in run.scheduler.requests.values()
             if r.request_id.startswith("run")
         ]
+        store_calls: list[int] = []
         for k in range(repeats):
             missed = _miss_prefixes(run, rng, k)
             before = run.connector_s
+            calls_before = run.lookup_store_calls
             # Not the running set's prefixes (vLLM's local prefix cache
             # holds those: such a request's connector lookup has nothing
             # left to find), nor an earlier burst's (loaded since).
@@ -467,6 +483,7 @@ def measure(
                 at_once=at_once,
             )
             per_admission.append((admitted_s - before) / burst)
+            store_calls.append(run.lookup_store_calls - calls_before)
             for kind, n in waited.items():
                 extra_steps[kind] = max(extra_steps[kind], n)
             for kind, n in ran.items():
@@ -485,6 +502,7 @@ def measure(
             "admitted_in_arrival_step": at_once,
             "step_ms_p50": round(percentile(step_s, 50) * 1e3, 3),
             "step_ms_p99": round(percentile(step_s, 99) * 1e3, 3),
+            "lookup_store_calls_per_burst": statistics.median(store_calls),
         }
     finally:
         run.close()
@@ -511,16 +529,15 @@ def _admit(
     ``WAITING_FOR_REMOTE_KVS``), and until scheduled to run; and
     `run.connector_s` when the last one was admitted.
     """
-    kinds: dict[str, str] = {}
-    requests = []
-    for i, (kind, prompt) in enumerate(burst):
-        requests.append(run.add(f"b{repeat}-{i}", prompt, 2))
-        kinds[f"b{repeat}-{i}"] = kind
     _store_prefixes(
         writer if run.base == "ours" else None,
-        run.connector,
-        [r for r in requests if kinds[r.request_id] == "store_hit"],
+        run,
+        [prompt for kind, prompt in burst if kind == "store_hit"],
     )
+    kinds: dict[str, str] = {}
+    for i, (kind, prompt) in enumerate(burst):
+        run.add(f"b{repeat}-{i}", prompt, 2)
+        kinds[f"b{repeat}-{i}"] = kind
     waiting, not_run = set(kinds), set(kinds)
     waited: dict[str, int] = {}
     ran: dict[str, int] = {}
@@ -682,13 +699,12 @@ def outage(  # noqa: PLR0915 - one timed scenario, top to bottom
                 before = run.connector_s
                 before_cpu = run.connector_cpu_s
                 before_gc = run.connector_gc_s
-                new = [
-                    run.add(f"o{added + i}", _prompt(rng, prefixes), 2)
-                    for i in range(4)
-                ]
-                added += len(new)
+                prompts = [_prompt(rng, prefixes) for _ in range(4)]
                 if phase != "down":
-                    _store_prefixes(writer, run.connector, new)
+                    _store_prefixes(writer, run, prompts)
+                for i, prompt in enumerate(prompts):
+                    run.add(f"o{added + i}", prompt, 2)
+                added += len(prompts)
                 hits = loads(run)
                 run.step()
                 step_ms.append((run.connector_s - before) * 1e3)

@@ -651,14 +651,17 @@ class LookupConfig:
         default=0.0,
         validator=of_type(float),
         metadata=key_help(
-            "Scheduler-thread time per step spent waiting for lookups "
-            "sent at once, so a new request is answered in the step it "
-            "arrives (a store hit with layer-wise loads, and a cold "
-            "prompt, then wait no step at all). Each new request's lookup "
-            "is sent when vLLM first asks and waited for while the step's "
-            "budget lasts; later ones wait a step, as with ``0`` (the "
-            "default: no wait). A hung master costs at most this per "
-            "step.",
+            "Scheduler-thread time per step spent waiting for lookups, "
+            "so a new request is answered in the step it arrives (a "
+            "store hit with layer-wise loads, and a cold prompt, then "
+            "wait no step at all). Each new request's lookup is sent as "
+            "it arrives (``on_new_request``; not one whose prefix vLLM's "
+            "cache holds), so a burst's lookups reach the master in a "
+            "call or two, and the hooks wait for the answers while the "
+            "step's budget lasts; a request not answered by then waits "
+            "a step, as with ``0`` (the default: lookups are sent with "
+            "the step's batch, no wait). A hung master costs at most "
+            "this per step.",
             coerce_seconds_or_off,
             key="lookup_wait_ms",
         ),

@@ -728,6 +728,24 @@ class Harness:
 
     # ------------------------------------------------------------- requests
 
+    def block_hashes_of(self, prompt_token_ids: Sequence[int]) -> list[Any]:
+        """vLLM's block hashes of a prompt, as a request of it would have.
+
+        Nothing is added: a driver can store a prompt's blocks before
+        the request arrives.
+        """
+        from vllm.sampling_params import SamplingParams  # noqa: PLC0415
+        from vllm.v1.request import Request  # noqa: PLC0415
+
+        request = Request(
+            request_id="block-hashes-of",
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=SamplingParams(max_tokens=1, detokenize=False),
+            pooling_params=None,
+            block_hasher=self._block_hasher,
+        )
+        return list(request.block_hashes)
+
     def add_request(
         self,
         req_id: str,

@@ -92,3 +92,23 @@ def test_waited_mode_admits_in_the_arrival_step(capsys, master_binary):
     assert asked_at_once(by_mode["layerwise"]) == 0, by_mode["layerwise"]
     assert asked_at_once(by_mode["waited"]) > 0, by_mode["waited"]
     assert by_mode["waited"]["requests_with_external_hits"]["store_hit"] > 0
+
+
+def test_waited_mode_asks_a_burst_on_arrival_in_one_store_call(
+    capsys, master_binary
+):
+    """``waited``: lookups leave as the requests arrive, so a burst of 32
+    costs the master a call or two (it cost one per request that needed
+    a lookup, sent as vLLM asked) and every request of it is admitted,
+    and run, in its arrival step."""
+    argv = ["--json", "--arrivals", "32", "--repeats", "1", "--no-outage"]
+    argv += ["--modes", "waited", "--wait-ms", "500"]
+
+    assert admission.main(argv) == 0
+
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    assert "error" not in row, row
+    assert row["lookup_store_calls_per_burst"] <= 2, row
+    assert sum(row["extra_steps_to_run"].values()) == 0, row
+    assert sum(row["admitted_in_arrival_step"].values()) == 32, row
+    assert row["requests_with_external_hits"]["store_hit"] > 0, row

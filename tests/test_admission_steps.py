@@ -114,6 +114,49 @@ def test_with_a_lookup_wait_a_cold_prefix_runs_in_its_first_step(
     assert_clean(h)
 
 
+def test_with_a_lookup_wait_a_burst_is_asked_as_it_arrives(
+    extra, harnesses, make
+):
+    """With ``lookup_wait_ms`` the lookups leave in ``on_new_request``:
+    a burst of 16 store hits (another instance stored their prefixes)
+    reaches the master in a call or two and every request runs, loading
+    layer-wise, in its first step with its hit; a prompt vLLM's prefix
+    cache holds (the bound block pool tells) is not asked at all."""
+    a = make(num_blocks=200)  # another instance, alive: its segment
+    for i in range(16):
+        a.add_request(f"a{i}", prompt(40 + i, 64), max_tokens=2)
+    run(a)
+    h = Harness(
+        CONNECTOR,
+        extra_config={
+            **extra,
+            "lookup_wait_ms": 2000,
+            "layerwise_load_max_blocks": 8,
+        },
+        num_blocks=200,
+        max_num_seqs=32,
+    )
+    harnesses.append(h)
+    h.add_request("local", prompt(6, 64), max_tokens=2)
+    run(h)
+    calls = side(h).lookups.store_calls
+    started = side(h).lookup_counts["started"]
+    arrived = side(h).lookup_counts["on_arrival"]  # "local"'s
+
+    h.add_request("again", prompt(6, 64), max_tokens=2)  # all of it local
+    for i in range(16):
+        h.add_request(f"b{i}", [*prompt(40 + i, 64), 1], max_tokens=2)
+    assert side(h).lookup_counts["on_arrival"] == arrived + 16
+    report = h.step()
+
+    assert {"again", *(f"b{i}" for i in range(16))} <= set(report.scheduled)
+    assert side(h).lookup_counts["started"] == started + 16
+    assert side(h).lookups.store_calls - calls <= 2
+    assert all(h.external_hits.get(f"b{i}", 0) == 64 for i in range(16))
+    run(h)
+    assert_clean(h)
+
+
 def test_a_stale_miss_costs_a_miss(make):
     """Another instance saves a remembered miss: b computes it."""
     h = make(num_blocks=40)

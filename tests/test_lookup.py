@@ -648,3 +648,120 @@ def test_async_lookups_wait_is_bounded_and_sends_a_queued_lookup():
     unthreaded = AsyncLookups(lambda: fake, timeout_s=5.0, threaded=False)
     queued = unthreaded.start("r", None, 0, Req("r").block_hashes)
     assert not unthreaded.wait(queued, 1.0)  # nothing could answer it
+
+
+def test_with_a_wait_budget_a_burst_is_asked_as_it_arrives():
+    """With ``lookup_wait_s`` a request's lookup leaves as it arrives
+    (``on_new_request``): a burst's lookups merge into a store call or
+    two (not one per request, sent as vLLM asks), and every request has
+    its hit in vLLM's first question."""
+    lookup = GatedLookup(stored=3)  # holds the first call: the rest merge
+    side = threaded(lookup, lookup_wait_s=2.0)
+    reqs = [Req(f"r{i}") for i in range(32)]
+    try:
+        for req in reqs:
+            side.on_new_request(req)
+        assert side.lookup_counts["on_arrival"] == 32
+        assert side.pending_lookups == 32
+        lookup.gate.set()
+        for req in reqs:
+            assert side.get_num_new_matched_tokens(req, 0) == (48, True)
+        assert sum(lookup.calls) == 32
+        assert len(lookup.calls) <= 2, lookup.calls
+        assert side.lookup_counts["answered"] == 32
+        assert side.pending_lookups == 0
+    finally:
+        lookup.gate.set()
+        side.lookups.close()
+
+
+class HeldPool:
+    """vLLM's block pool as the arrival lookup reads it."""
+
+    def __init__(self, held) -> None:
+        self.held = set(held)
+        self.blocks = []
+
+    def get_cached_block(self, block_hash, group_ids):
+        assert group_ids == [0]
+        return [object()] if block_hash in self.held else None
+
+
+def test_no_lookup_on_arrival_without_a_budget_or_for_a_held_prefix():
+    """No budget: nothing is asked before vLLM asks.  With one, a
+    request whose last loadable block vLLM holds, or whose first block
+    missed moments ago, is not asked on arrival either."""
+    lookup = FakeLookup(stored=3)
+    plain = threaded(lookup)
+    try:
+        plain.on_new_request(Req("a"))
+        assert plain.pending_lookups == 0
+        assert plain.lookup_counts["on_arrival"] == 0
+    finally:
+        plain.lookups.close()
+    side = threaded(lookup, lookup_wait_s=2.0)
+    try:
+        held = Req("held")
+        side.bind_block_pool(HeldPool([held.block_hashes[3]]))
+        side.on_new_request(held)
+        assert side.pending_lookups == 0
+        assert side.get_num_new_matched_tokens(held, 64) == (0, False)
+        missed = Req("missed")
+        side.recent.missed(missed.block_hashes[0])
+        side.on_new_request(missed)
+        assert side.lookup_counts["on_arrival"] == 0
+        other = Req("other")
+        other.block_hashes = [b"other%d" % i for i in range(4)]
+        side.on_new_request(other)
+        assert side.lookup_counts["on_arrival"] == 1
+        assert lookup.calls == []  # never asked about the held prefix
+    finally:
+        side.lookups.close()
+
+
+def test_a_lookup_that_missed_its_wait_is_waited_for_in_the_next_step():
+    """The budget is per step: a lookup still in flight when a step's
+    budget ran out is waited for again out of the next step's, so it is
+    admitted in that step, not one later."""
+    lookup = GatedLookup(stored=3)
+    side = threaded(lookup, lookup_wait_s=0.01, lookup_timeout_s=5.0)
+    req = Req("a")
+    try:
+        side.on_new_request(req)
+        assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+        assert side.lookup_counts["wait_missed"] == 1
+        side.lookup_wait_s = 5.0
+        side.build_connector_meta(Step())  # the next step's budget
+        release = threading.Timer(0.05, lookup.gate.set)
+        release.start()
+        assert side.get_num_new_matched_tokens(req, 0) == (48, True)
+        assert side.lookup_counts["waited"] == 1
+        assert lookup.calls == [1]
+    finally:
+        lookup.gate.set()
+        side.lookups.close()
+
+
+def test_an_arrival_lookup_of_a_request_aborted_before_it_was_asked(clock):
+    """A request aborted between its arrival and vLLM's first question:
+    its lookup is dropped (the lookup thread skips it: never asked),
+    nothing is left, and a reused id asks again."""
+    side, lookup = make(clock, lookup_wait_s=0.5)
+    a = Req("a")
+    side.on_new_request(a)
+    assert side.pending_lookups == 1
+    a.status = "FINISHED_ABORTED"
+    side.request_finished(a, [])
+    assert "a" not in side.registry
+    assert "a" not in side.lookup_registry
+    side.lookups.run_pending()
+    side.build_connector_meta(Step())
+    assert side.lookup_counts["ended"] == 1
+    assert side.pending_lookups == 0
+    assert lookup.calls == []
+    again = Req("a", blocks=3)
+    side.on_new_request(again)
+    assert side.lookup_counts["on_arrival"] == 2
+    side.lookups.run_pending()
+    assert side.get_num_new_matched_tokens(again, 0) == (32, True)
+    assert lookup.calls == [1]

@@ -338,9 +338,14 @@ class SchedulerSide:
         """vLLM accepted a request: track it from NEW, before any lookup.
 
         Its fields are written by the ``lookup`` row (`take_request`),
-        which runs before anything reads them.
+        which runs before anything reads them.  With a lookup wait
+        (``lookup_wait_s``) its store lookup is sent now
+        (`_ask_on_arrival`): a burst's lookups then reach the store
+        together, and one wait in the first hook that asks covers them.
         """
-        self.registry.get_or_create(request.request_id)
+        tracker = self.registry.get_or_create(request.request_id)
+        if self.lookup_wait_s > 0:
+            self._ask_on_arrival(tracker, request)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -855,6 +860,59 @@ class SchedulerSide:
             return self._wait_now(lookup, pending)
         return None
 
+    def _ask_on_arrival(self, tracker: RequestTracker, request: Any) -> None:
+        """Send a new request's lookup as it arrives, before vLLM asks.
+
+        The lookup asks what `_hit_tokens` will ask for (every block up
+        to the last full one before the last token, under the request's
+        epoch), so vLLM's first question finds it answered or in flight.
+        vLLM's local hit is not known yet: a request whose last such
+        block vLLM holds (``get_cached_block`` of the bound block pool)
+        is not asked, nor one whose first block missed moments ago, nor
+        any past `max_pending`; those are asked, or answered, when vLLM
+        asks.  The lookup is handed to the lookup thread at once.
+        """
+        if self.lookup_registry.get(tracker.req_id) is not None:
+            return
+        hashes = request.block_hashes
+        asked = min(
+            len(hashes), max(request.num_tokens - 1, 0) // self.block_size
+        )
+        if (
+            asked == 0
+            or self._busy >= self.max_pending
+            or self.recent.cuts(hashes[:1])
+            or self._held_locally(hashes[asked - 1])
+        ):
+            return
+        lookup = self._new_lookup(tracker)
+        key = (tracker.epoch, asked)
+        pending = self._send(lookup, LookupEvent.ASK, key, hashes[:asked])
+        if pending is not None:
+            self.lookup_counts["started"] += 1
+            self.lookup_counts["on_arrival"] += 1
+            self.lookups.dispatch()
+
+    def _held_locally(self, block_hash: Any) -> bool:
+        """Whether vLLM's prefix cache holds `block_hash`.
+
+        A guess: False when no block pool that can tell is bound, or the
+        model has several KV cache groups.
+        """
+        pool = self._open.pool
+        cached = getattr(pool, "get_cached_block", None)
+        if cached is None or len(self.groups.groups) != 1:
+            return False
+        return cached(block_hash, [0]) is not None
+
+    def _wait_for(self, pending: PendingLookup) -> bool:
+        """Send `pending` now and wait, within the step's budget: done?"""
+        began = time.perf_counter()
+        done = self.lookups.wait(pending, self._wait_left)
+        self._wait_left -= time.perf_counter() - began
+        self.lookup_counts["waited" if done else "wait_missed"] += 1
+        return done
+
     def _wait_now(
         self, lookup: LookupTracker, pending: PendingLookup
     ) -> int | None:
@@ -862,22 +920,24 @@ class SchedulerSide:
 
         The answer, or None (in flight: vLLM asks again next step).
         """
-        began = time.perf_counter()
-        done = self.lookups.wait(pending, self._wait_left)
-        self._wait_left -= time.perf_counter() - began
-        if not done:
-            self.lookup_counts["wait_missed"] += 1
+        if not self._wait_for(pending):
             return None
-        self.lookup_counts["waited"] += 1
         return self._take_answer(lookup, pending)
 
     def _await(self, lookup: LookupTracker) -> int | None:
         """The answer to the lookup asked for the current key.
 
-        0 past its deadline (a miss), None while it is in flight.
+        Waited for while the step's budget lasts (`_wait_for`; sent on
+        arrival or in an earlier step), else the lookup thread is given
+        the GIL once.  0 past its deadline (a miss), None while it is in
+        flight.
         """
         pending: PendingLookup = lookup.pending
-        if self.lookups.handoff(pending):
+        if self._wait_left > 0:
+            done = self._wait_for(pending)
+        else:
+            done = self.lookups.handoff(pending)
+        if done:
             return self._take_answer(lookup, pending)
         if self.lookups.clock() < pending.deadline:
             return None

@@ -18,7 +18,9 @@ loading ids, preempted ids vLLM does not track, allocation of a request
 whose lookup is still in flight).  Admission lookups run when a rule lets
 the lookup thread run (`lookups_return`), so their completions race
 aborts, finishes, preemptions and re-admissions; some expire first (a
-fake clock jumps past the lookup timeout).  Examples run over one
+fake clock jumps past the lookup timeout); in half the examples they
+leave as requests arrive (``on_new_request`` with a lookup wait budget),
+so they race vLLM's first question too.  Examples run over one
 or two tensor-parallel ranks (a worker and a KV shard each, results
 reported by each rank in its own step and aggregated as vLLM does); in
 some a third of the transfers fail (`tests.test_faults_vllm.Flaky`, which
@@ -451,16 +453,21 @@ class OrderingFuzzer(RuleBasedStateMachine):
         lossy=st.sampled_from([None, None, 1, 2, 3]),
         tp=st.integers(1, MAX_TP),
         layerwise=st.sampled_from([0, 2, 8, 8]),
+        on_arrival=st.booleans(),
     )
-    def start(self, runner, families, lossy, tp, layerwise=0):
-        """Pick the runner, the ranks, the link and the layer-wise bound
-        (hits of at most that many blocks load layer-wise); a few
+    def start(self, runner, families, lossy, tp, *, layerwise=0, on_arrival=0):
+        """Pick the runner, the ranks, the link, the layer-wise bound
+        (hits of at most that many blocks load layer-wise) and whether
+        lookups leave as requests arrive (a lookup wait budget); a few
         requests arrive."""
         self.runner = runner
         if tp != self.tp:
             self.connect(tp)
         self.layerwise = layerwise
         self.side.layerwise_max_blocks = layerwise
+        # Lookups run only in `lookups_return`: the budget is never
+        # waited out, it only sends each lookup in `on_new_request`.
+        self.side.lookup_wait_s = 1e-3 if on_arrival else 0.0
         if lossy is not None:  # a third of the transfers fail, seeded
             for rank, worker in enumerate(self.workers):
                 seed = f"{lossy}/{rank}"
@@ -483,7 +490,11 @@ class OrderingFuzzer(RuleBasedStateMachine):
             self.next_id += 1
         request = self.env.request(req_id, family, length)
         self.refs[req_id] = Ref(request)
+        sent = self.side.lookup_counts["on_arrival"]
         self.side.on_new_request(request)
+        COVERAGE["lookups sent on arrival"] += (
+            self.side.lookup_counts["on_arrival"] - sent
+        )
 
     @precondition(lambda self: self.refs)
     @rule(n=st.integers(0, 50), local=st.integers(0, 2))
@@ -1061,6 +1072,7 @@ COVERAGE_NEEDED = (
     "layer-wise loads admitted",
     "layer-wise loads run",
     "layer-wise loads read in spans",
+    "lookups sent on arrival",
     # "layer-wise blocks recomputed" (a lossy link under a layer-wise
     # load) is counted but not required: the CI budget reaches it only
     # by chance; tests/test_layerwise.py drives that path directly.

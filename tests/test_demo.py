@@ -117,3 +117,28 @@ def test_soak_json_fields(master_binary, capsys):
     assert result["checkpoint_requests"] == 30
     assert isinstance(result["rss_growth_checkpoint_to_end_pct"], float)
     assert rc == (0 if result["goal_met"] else 1)
+
+
+def test_python_m_demo_ends_with_its_report(master_binary, tmp_path):
+    """`python -m demo` as `make demo` runs it: its status, and nothing
+    after the report (the Mooncake clients' teardown at exit, after the
+    demo stopped its master, logged four error lines)."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    argv = ["-m", "demo", "--requests=40", f"--out={tmp_path}"]
+    done = subprocess.run(
+        [sys.executable, *argv, "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "RESULT: OK" in done.stdout
+    errors = [
+        line
+        for line in done.stderr.splitlines()
+        if line.startswith("E") and ".cpp:" in line
+    ]
+    assert errors == [], errors

@@ -65,7 +65,10 @@ whose prefix an earlier request of the burst loaded in the same step
 finds it in vLLM's local cache instead), and ``step_ms_p50``/``step_ms_p99``
 over those steps (`schedule()` + `update_from_output()`), and
 ``lookup_store_calls_per_burst`` (the master calls the connector's
-admission lookups made per burst, median).  Between the
+admission lookups made per burst, median).  With ``waited`` rows the
+``goal`` also reads ``met_store_hit_in_arrival_step`` (every store hit
+scheduled in the step it arrived) and ``waited_us_over_layerwise`` (its
+µs per admission over ``layerwise``'s, per burst size).  Between the
 two, each step sleeps ``--forward-ms`` (1 ms by default, not timed) in
 place of the forward pass, during which an engine's thread releases the
 GIL: with no such pause a Python lookup thread only gets the GIL every
@@ -766,7 +769,31 @@ def _step_goals(results: list[dict[str, Any]]) -> dict[str, Any]:
         goal["met_steps"] = all(
             goal[f"met_steps_{kind}"] for kind in GOAL_EXTRA_STEPS
         )
+    goal.update(_arrival_goal(results))
     return goal
+
+
+def _arrival_goal(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 32's goal, read off the ``waited`` rows: a store hit
+    scheduled in the step it arrives, at what cost per admission against
+    ``layerwise`` (the same loads, lookups answered a step later)."""
+    ok = [r for r in results if "error" not in r]
+    waited = {r["arrivals"]: r for r in ok if r.get("mode") == WAITED}
+    if not waited:
+        return {}
+    base = {r["arrivals"]: r for r in ok if r.get("mode") == LAYERWISE}
+    key = "connector_us_per_admission"
+    return {
+        "met_store_hit_in_arrival_step": all(
+            r["extra_steps_to_schedule"]["store_hit"] == 0
+            for r in waited.values()
+        ),
+        "waited_us_over_layerwise": {
+            str(n): round(r[key] / base[n][key], 2)
+            for n, r in sorted(waited.items())
+            if n in base and base[n][key]
+        },
+    }
 
 
 class _Writers:

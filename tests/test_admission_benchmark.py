@@ -106,8 +106,10 @@ def test_waited_mode_asks_a_burst_on_arrival_in_one_store_call(
 
     assert admission.main(argv) == 0
 
-    (row,) = json.loads(capsys.readouterr().out)["results"]
+    doc = json.loads(capsys.readouterr().out)
+    (row,) = doc["results"]
     assert "error" not in row, row
+    assert doc["goal"]["met_store_hit_in_arrival_step"] is True
     assert row["lookup_store_calls_per_burst"] <= 2, row
     assert sum(row["extra_steps_to_run"].values()) == 0, row
     assert sum(row["admitted_in_arrival_step"].values()) == 32, row

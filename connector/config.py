@@ -661,7 +661,8 @@ class LookupConfig:
             "step's budget lasts; a request not answered by then waits "
             "a step, as with ``0`` (the default: lookups are sent with "
             "the step's batch, no wait). A hung master costs at most "
-            "this per step.",
+            "this per step, and nothing once the lookup thread's store "
+            "call has run 50 ms, until it returns.",
             coerce_seconds_or_off,
             key="lookup_wait_ms",
         ),

@@ -604,9 +604,11 @@ def test_without_a_wait_budget_the_first_call_cannot_tell():
 def test_a_hung_store_costs_at_most_the_budget_per_step():
     """A store that does not answer: the first request waits out the
     step's budget, later ones in the step do not wait at all; the next
-    step has a budget again; answers still arrive and are used."""
+    step has a budget again (spent too while the store call is younger
+    than `stalled_s`); answers still arrive and are used."""
     lookup = GatedLookup(stored=3)
     side = threaded(lookup, lookup_wait_s=0.05)
+    side.lookups.stalled_s = 5.0  # the stall skip has its own test
     try:
         began = time.perf_counter()
         assert side.get_num_new_matched_tokens(Req("a"), 0) == (None, False)
@@ -765,3 +767,32 @@ def test_an_arrival_lookup_of_a_request_aborted_before_it_was_asked(clock):
     side.lookups.run_pending()
     assert side.get_num_new_matched_tokens(again, 0) == (32, True)
     assert lookup.calls == [1]
+
+
+def test_no_wait_while_the_lookup_thread_is_stalled_in_the_store():
+    """A master that hangs holds the lookup thread's store call: past
+    `stalled_s` the hooks stop spending their budget on answers that
+    cannot come, and wait again once the call returned."""
+    lookup = GatedLookup(stored=3)
+    side = threaded(lookup, lookup_wait_s=1.0, lookup_timeout_s=10.0)
+    side.lookups.stalled_s = 0.01
+    try:
+        side.on_new_request(Req("a"))
+        end = time.monotonic() + 5.0
+        while not side.lookups.stalled and time.monotonic() < end:
+            time.sleep(0.005)
+        assert side.lookups.stalled
+        began = time.perf_counter()
+        assert side.get_num_new_matched_tokens(Req("a"), 0) == (None, False)
+        other = Req("b")
+        other.block_hashes = [b"b%d" % i for i in range(4)]
+        assert side.get_num_new_matched_tokens(other, 0) == (None, False)
+        assert time.perf_counter() - began < 0.5  # not the 1 s budget
+        assert side.lookup_counts["wait_skipped"] == 2
+        lookup.gate.set()
+        assert side.lookups.wait_idle(5.0)
+        assert not side.lookups.stalled
+        assert side.get_num_new_matched_tokens(Req("a"), 0) == (48, True)
+    finally:
+        lookup.gate.set()
+        side.lookups.close()

@@ -39,6 +39,10 @@ HANDOFF_S: Final = 0.0001
 #: first answers arrive early and the lookup thread holds the GIL for
 #: well under a millisecond at a time.
 CHUNK: Final = 256
+#: A store call of the lookup thread running this long means the master
+#: is slow or gone: the scheduler half stops waiting for answers
+#: (`AsyncLookups.stalled`) until the call returns.
+STALLED_S: Final = 0.05
 
 
 class BatchLookup(Protocol):
@@ -172,9 +176,14 @@ class AsyncLookups:
         threaded: bool = True,
         clock: Callable[[], float] = time.monotonic,
         handoff_s: float = HANDOFF_S,
+        stalled_s: float = STALLED_S,
     ) -> None:
         self._lookup = lookup
         self.handoff_s = handoff_s
+        self.stalled_s = stalled_s
+        # When the lookup thread's store call in progress began (None:
+        # none); written by the lookup thread only.
+        self._call_began: float | None = None
         # Set by the lookup thread each time it holds the GIL for a
         # batch: before a store call, and once answers are posted.
         self._signal = threading.Event()
@@ -312,6 +321,16 @@ class AsyncLookups:
             signal.wait(left)
         return True
 
+    @property
+    def stalled(self) -> bool:
+        """Whether the lookup thread's store call has run `stalled_s`.
+
+        A master that hangs holds that call for seconds: waiting for
+        answers then only spends the scheduler thread's budget.
+        """
+        began = self._call_began
+        return began is not None and time.monotonic() - began >= self.stalled_s
+
     def _yield(self) -> None:
         """Hand the GIL to the lookup thread until it signals, bounded."""
         if self._thread is None or self.handoff_s <= 0:
@@ -419,6 +438,7 @@ class AsyncLookups:
     def _ask(self, live: list[PendingLookup]) -> None:
         """One store call for `live`; each is done (0 found on error)."""
         self.store_calls += 1
+        self._call_began = time.monotonic()
         self._signal.set()  # in the store call: the GIL is free again
         try:
             found = self._lookup().hit_blocks_many([p.hashes for p in live])
@@ -426,6 +446,8 @@ class AsyncLookups:
             self.failures += 1
             log.warning("admission lookup failed", exc_info=True)
             found = [0] * len(live)
+        finally:
+            self._call_began = None
         for p, n in zip(live, found, strict=False):
             p.found = min(max(int(n), 0), p.asked)
             p.done = True

@@ -906,7 +906,15 @@ class SchedulerSide:
         return cached(block_hash, [0]) is not None
 
     def _wait_for(self, pending: PendingLookup) -> bool:
-        """Send `pending` now and wait, within the step's budget: done?"""
+        """Send `pending` now and wait, within the step's budget: done?
+
+        No wait while the lookup thread's store call is stalled (the
+        master hangs): the answer could not come within the budget.
+        """
+        if self.lookups.stalled:
+            self.lookups.dispatch()
+            self.lookup_counts["wait_skipped"] += 1
+            return pending.done
         began = time.perf_counter()
         done = self.lookups.wait(pending, self._wait_left)
         self._wait_left -= time.perf_counter() - began

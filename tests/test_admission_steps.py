@@ -131,6 +131,7 @@ def test_with_a_lookup_wait_a_burst_is_asked_as_it_arrives(
         extra_config={
             **extra,
             "lookup_wait_ms": 2000,
+            "lookup_timeout_ms": 10_000,  # a loaded machine's pause
             "layerwise_load_max_blocks": 8,
         },
         num_blocks=200,

@@ -235,7 +235,11 @@ def test_a_burst_is_asked_for_in_chunks():
     store answers while the step is still being scheduled); none is lost
     or asked twice."""
     fake = FakeLookup(stored=3)
-    lookups = AsyncLookups(lambda: fake, timeout_s=1.0, threaded=False)
+    # A still clock: a pause of the process (a collector pass, another
+    # test's Mooncake teardown holding the GIL) cannot expire lookups.
+    lookups = AsyncLookups(
+        lambda: fake, timeout_s=1.0, threaded=False, clock=lambda: 0.0
+    )
     n = 2 * CHUNK + 5
     pending = []
     for i in range(n):
@@ -658,7 +662,7 @@ def test_with_a_wait_budget_a_burst_is_asked_as_it_arrives():
     two (not one per request, sent as vLLM asks), and every request has
     its hit in vLLM's first question."""
     lookup = GatedLookup(stored=3)  # holds the first call: the rest merge
-    side = threaded(lookup, lookup_wait_s=2.0)
+    side = threaded(lookup, lookup_wait_s=2.0, lookup_timeout_s=10.0)
     reqs = [Req(f"r{i}") for i in range(32)]
     try:
         for req in reqs:
@@ -701,7 +705,7 @@ def test_no_lookup_on_arrival_without_a_budget_or_for_a_held_prefix():
         assert plain.lookup_counts["on_arrival"] == 0
     finally:
         plain.lookups.close()
-    side = threaded(lookup, lookup_wait_s=2.0)
+    side = threaded(lookup, lookup_wait_s=2.0, lookup_timeout_s=10.0)
     try:
         held = Req("held")
         side.bind_block_pool(HeldPool([held.block_hashes[3]]))

@@ -45,7 +45,7 @@ import enum
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from connector.groups import KVGroups
@@ -730,7 +730,7 @@ class SchedulerSide:
         if tracker.load_failures:
             return 0
         bs = self.block_size
-        asked = min(len(tracker.block_hashes), max(num_tokens - 1, 0) // bs)
+        asked = self._asked_blocks(tracker.block_hashes, num_tokens)
         local = tracker.num_local_tokens // bs
         key = (tracker.epoch, asked)
         lookup = self.lookup_registry.get(tracker.req_id)
@@ -753,6 +753,14 @@ class SchedulerSide:
                 self._refresh(lookup)
             return lookup.hit_tokens
         return self._ask(tracker, lookup, key, local)
+
+    def _asked_blocks(self, hashes: Sequence[Any], num_tokens: int) -> int:
+        """Blocks a lookup asks for: every full block before the last token.
+
+        The one rule both `_hit_tokens` and `_ask_on_arrival` key their
+        lookup on, so an arrival lookup is the one vLLM's question finds.
+        """
+        return min(len(hashes), max(num_tokens - 1, 0) // self.block_size)
 
     def _new_lookup(self, tracker: RequestTracker) -> LookupTracker:
         """A lookup tracker for `tracker`'s request, in the initial ASKED."""
@@ -875,9 +883,7 @@ class SchedulerSide:
         if self.lookup_registry.get(tracker.req_id) is not None:
             return
         hashes = request.block_hashes
-        asked = min(
-            len(hashes), max(request.num_tokens - 1, 0) // self.block_size
-        )
+        asked = self._asked_blocks(hashes, request.num_tokens)
         if (
             asked == 0
             or self._busy >= self.max_pending

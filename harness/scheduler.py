@@ -734,17 +734,32 @@ class Harness:
         Nothing is added: a driver can store a prompt's blocks before
         the request arrives.
         """
+        request = self._new_request("block-hashes-of", prompt_token_ids, 1)
+        return list(request.block_hashes)
+
+    def _new_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        stop_token_ids: Sequence[int] = (),
+    ) -> Request:
+        """A vLLM request of exactly `max_tokens` tokens, hashed as vLLM's."""
         from vllm.sampling_params import SamplingParams  # noqa: PLC0415
         from vllm.v1.request import Request  # noqa: PLC0415
 
-        request = Request(
-            request_id="block-hashes-of",
+        return Request(
+            request_id=req_id,
             prompt_token_ids=list(prompt_token_ids),
-            sampling_params=SamplingParams(max_tokens=1, detokenize=False),
+            sampling_params=SamplingParams(
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                detokenize=False,
+                stop_token_ids=list(stop_token_ids) or None,
+            ),
             pooling_params=None,
             block_hasher=self._block_hasher,
         )
-        return list(request.block_hashes)
 
     def add_request(
         self,
@@ -760,27 +775,13 @@ class Harness:
         `stop_token_ids` (`first_token` tells a prompt's first).  An id may
         be reused once its previous request has finished.
         """
-        from vllm.sampling_params import SamplingParams  # noqa: PLC0415
-        from vllm.v1.request import Request  # noqa: PLC0415
-
         old = self.requests.get(req_id)
         if old is not None and not old.is_finished():
             msg = f"request {req_id} is still running"
             raise ValueError(msg)
         self.finished_status.pop(req_id, None)
         prompt = list(prompt_token_ids)
-        request = Request(
-            request_id=req_id,
-            prompt_token_ids=prompt,
-            sampling_params=SamplingParams(
-                max_tokens=max_tokens,
-                ignore_eos=True,
-                detokenize=False,
-                stop_token_ids=list(stop_token_ids) or None,
-            ),
-            pooling_params=None,
-            block_hasher=self._block_hasher,
-        )
+        request = self._new_request(req_id, prompt, max_tokens, stop_token_ids)
         self.requests[req_id] = request
         self._tokens[req_id] = list(prompt)
         self._hashes[req_id] = prefix_hashes(prompt)

@@ -361,3 +361,42 @@ def test_store_faults_reach_the_payload_the_log_line_and_prometheus():
     assert value(MetricName.STORE_FAULTS, {**engine, "kind": "transfer"}) == 10
     restored = {**engine, "kind": "metadata_restored"}
     assert value(MetricName.STORE_FAULTS, restored) == 4
+
+
+def test_lookup_outcomes_reach_the_payload_the_log_line_and_prometheus():
+    """The scheduler half's lookup counts (`lookup_counts`) travel as
+    increments, add up, show in the log line and in
+    ``vllm:kv_lifecycle_admission_lookups_total`` by outcome."""
+    counts = {"started": 2}  # before the source: not reported
+    source = StatsSource(lookups=lambda: counts)
+    assert source.take() is None
+    counts.update(started=5, on_arrival=3, waited=2, wait_skipped=1)
+    first = source.take()
+    assert first is not None
+    assert first.data["lookups"] == {
+        "started": 3,
+        "on_arrival": 3,
+        "waited": 2,
+        "wait_skipped": 1,
+    }
+    assert source.take() is None
+    first.aggregate(LifecycleConnectorStats(data={"lookups": {"waited": 4}}))
+    assert first.data["lookups"]["waited"] == 6
+    line = first.reduce()
+    assert line["Lookups on arrival"] == 3
+    assert line["Lookups wait skipped"] == 1
+    rebuilt = LifecycleConnectorStats(data=json.loads(json.dumps(first.data)))
+    assert rebuilt.data["lookups"] == first.data["lookups"]
+
+    registry = CollectorRegistry()
+    prom = MooncakeLifecycleConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        metric_types(registry),
+        ["model_name", "engine"],
+        {0: ["m", "0"]},
+    )
+    prom.observe(first.data, engine_idx=0)
+    engine = {"model_name": "m", "engine": "0"}
+    value = registry.get_sample_value
+    assert value(MetricName.LOOKUPS, {**engine, "outcome": "waited"}) == 6
+    assert value(MetricName.LOOKUPS, {**engine, "outcome": "on_arrival"}) == 3

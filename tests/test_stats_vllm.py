@@ -163,6 +163,11 @@ def test_stats_flow_through_the_real_scheduler_and_vllm_loggers(
     assert store["get"]["keys"] == 4  # the 64-token prefix
     assert store["get"]["bytes"] == 4 * block_bytes
     assert store["exists"]["ops"] >= 1  # b's and c's lookups: one call
+    # The lookups section: the scheduler half's own counts, all of them.
+    assert total.data["lookups"] == {
+        k: n for k, n in scheduler.lookup_counts.items() if n
+    }
+    assert total.data["lookups"]["started"] >= 2  # b's and c's
     assert store["exists"]["keys"] >= 4 + 2  # their full prompt blocks
     assert store["put"]["keys"] >= 2  # c's full prompt blocks
     assert len(store["get"]["latencies_s"]) == store["get"]["ops"]

@@ -24,13 +24,22 @@ and lists, so it survives pickling and msgpack::
                       "metadata_restored": 2},
      "groups": {"g0": {"hit_blocks": 4, "load_blocks": 4,    # per KV cache
                        "load_bytes": 262144, "save_blocks": 8,  # group
-                       "save_bytes": 524288}, "g1": {...}}}
+                       "save_bytes": 524288}, "g1": {...}},
+     "lookups": {"started": 12, "answered": 12, "on_arrival": 12,
+                 "waited": 3, "wait_missed": 1, "wait_skipped": 0, ...}}
 
 ``store_faults`` counts what a store that answers but cannot transfer
 looks like (`connector.store.faults`): keys that failed although the
 master answered, and this client's transfer-metadata entries found
 missing from the metadata server and restored
 (`connector.store.metadata`).
+
+``lookups`` counts the scheduler half's admission lookups by outcome
+(`connector.scheduler.side.SchedulerSide.lookup_counts`): sent
+(``started``, ``on_arrival`` of them as the request arrived), answered,
+waited for within ``lookup_wait_ms`` (``waited``), not answered within it
+(``wait_missed``), not waited for while the store call hung
+(``wait_skipped``), and the rest of that counter's keys.
 
 ``groups`` counts, per KV cache group (`connector.groups`), the blocks the
 scheduler half issued loads for (store hits) and the blocks and bytes the
@@ -61,7 +70,7 @@ from lifecycle.kv import TABLE as _KV
 from lifecycle.trace import pair_key
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Mapping
 
     from prometheus_client import Counter, Histogram
 
@@ -114,6 +123,7 @@ class MetricName:
     STORE_LATENCY = "vllm:kv_lifecycle_store_operation_seconds"
     BREAKER_TRIPS = "vllm:kv_lifecycle_store_breaker_trips_total"
     STORE_FAULTS = "vllm:kv_lifecycle_store_faults_total"
+    LOOKUPS = "vllm:kv_lifecycle_admission_lookups_total"
 
 
 def _empty() -> dict[str, Any]:
@@ -122,6 +132,7 @@ def _empty() -> dict[str, Any]:
     data["breaker_trips"] = 0
     data["store_faults"] = {}
     data["groups"] = {}
+    data["lookups"] = {}
     return data
 
 
@@ -132,6 +143,7 @@ def _is_empty(data: dict[str, Any]) -> bool:
         or data["breaker_trips"]
         or data["store_faults"]
         or data["groups"]
+        or data["lookups"]
     )
 
 
@@ -167,6 +179,7 @@ class LifecycleConnectorStats(KVConnectorStats):
         self.data["groups"] = {
             g: dict(counts) for g, counts in given.get("groups", {}).items()
         }
+        self.data["lookups"] = dict(given.get("lookups", {}))
 
     def reset(self) -> None:
         """Start an empty interval."""
@@ -201,6 +214,7 @@ class LifecycleConnectorStats(KVConnectorStats):
         _add(self.data["store_faults"], theirs.get("store_faults", {}))
         for group, counts in theirs.get("groups", {}).items():
             _add(self.data["groups"].setdefault(group, {}), counts)
+        _add(self.data["lookups"], theirs.get("lookups", {}))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -230,14 +244,23 @@ class LifecycleConnectorStats(KVConnectorStats):
             out["Store breaker trips"] = self.data["breaker_trips"]
         for kind, n in sorted(self.data["store_faults"].items()):
             out[f"Store faults {kind.replace('_', ' ')}"] = n
-        for group, counts in sorted(self.data["groups"].items()):
-            for key, n in sorted(counts.items()):
-                name = key.replace("_", " ")
-                if key.endswith("_bytes"):
-                    out[f"Group {group} {name[:-6]} MB"] = round(n / 2**20, 3)
-                else:
-                    out[f"Group {group} {name}"] = n
+        out.update(_group_and_lookup_lines(self.data))
         return out
+
+
+def _group_and_lookup_lines(data: dict[str, Any]) -> dict[str, int | float]:
+    """`reduce`'s per-group and admission-lookup figures."""
+    out: dict[str, int | float] = {}
+    for group, counts in sorted(data["groups"].items()):
+        for key, n in sorted(counts.items()):
+            name = key.replace("_", " ")
+            if key.endswith("_bytes"):
+                out[f"Group {group} {name[:-6]} MB"] = round(n / 2**20, 3)
+            else:
+                out[f"Group {group} {name}"] = n
+    for outcome, n in sorted(data["lookups"].items()):
+        out[f"Lookups {outcome.replace('_', ' ')}"] = n
+    return out
 
 
 def _empty_op() -> dict[str, Any]:
@@ -318,6 +341,9 @@ class StatsSource:
             machine's counts go to.
         groups: Returns the per-group counts since its last call (the
             ``groups`` section), if any.
+        lookups: Returns the admission lookups' running counts by
+            outcome (the ``lookups`` section reports their increments),
+            if any.
     """
 
     def __init__(
@@ -328,12 +354,17 @@ class StatsSource:
         store: StoreCounters | None = None,
         half: str = "scheduler",
         groups: Callable[[], dict[str, dict[str, int]]] | None = None,
+        lookups: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         if half not in HALF_PREFIXES:
             msg = f"half must be one of {sorted(HALF_PREFIXES)}, got {half!r}"
             raise ValueError(msg)
         self._prefix = HALF_PREFIXES[half]
         self.groups = groups
+        self._lookups = lookups
+        self._lookups_seen: dict[str, int] = (
+            dict(lookups()) if lookups is not None else {}
+        )
         self._store = store
         self._trips = store.breaker_trips if store is not None else 0
         self._faults = store.faults_copy() if store is not None else {}
@@ -389,6 +420,10 @@ class StatsSource:
                 self._fault_total = sum(faults.values())
         if self.groups is not None:
             data["groups"] = {g: c for g, c in self.groups().items() if c}
+        if self._lookups is not None:
+            now = dict(self._lookups())
+            data["lookups"] = _delta(now, self._lookups_seen)
+            self._lookups_seen = now
         return None if _is_empty(data) else LifecycleConnectorStats(data=data)
 
     def _take_lifecycle(self, watched: _Watched, data: dict[str, Any]) -> None:
@@ -502,6 +537,14 @@ class LifecyclePromMetrics(KVConnectorPromMetrics):
             "restart, and written back).",
             labelnames=[*labelnames, "kind"],
         )
+        self._lookups = counter(
+            name=MetricName.LOOKUPS,
+            documentation="The scheduler half's admission lookups, by "
+            "outcome: started (on_arrival: sent as the request arrived), "
+            "answered, waited / wait_missed / wait_skipped (within "
+            "lookup_wait_ms), timed_out, deferred, known_miss, local, ...",
+            labelnames=[*labelnames, "outcome"],
+        )
 
     def observe(
         self, transfer_stats_data: dict[str, Any], engine_idx: int = 0
@@ -533,3 +576,5 @@ class LifecyclePromMetrics(KVConnectorPromMetrics):
             self._trips.labels(*engine).inc(data["breaker_trips"])
         for kind, n in data.get("store_faults", {}).items():
             self._faults.labels(*engine, kind).inc(n)
+        for outcome, n in data.get("lookups", {}).items():
+            self._lookups.labels(*engine, outcome).inc(n)

@@ -317,6 +317,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             store=client.stats,
             half="scheduler" if scheduler else "worker",
             groups=self._scheduler_group_stats if scheduler else None,
+            lookups=(lambda: scheduler.lookup_counts) if scheduler else None,
         )
 
     # ------------------------------------------------------- scheduler side

@@ -61,6 +61,19 @@ def record(stats, op, outcomes, *, nbytes=0, elapsed_s=0.001):
     stats.record(result, failed)
 
 
+def one_engine_prom():
+    """The connector's metrics for engine ``0`` of model ``m`` on a fresh
+    registry, and the registry's sample reader."""
+    registry = CollectorRegistry()
+    prom = MooncakeLifecycleConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        metric_types(registry),
+        ["model_name", "engine"],
+        {0: ["m", "0"]},
+    )
+    return prom, registry.get_sample_value
+
+
 @pytest.fixture
 def lifecycle():
     machine = LifecycleMachine(TABLE)
@@ -347,17 +360,10 @@ def test_store_faults_reach_the_payload_the_log_line_and_prometheus():
     rebuilt = LifecycleConnectorStats(data=json.loads(json.dumps(first.data)))
     assert rebuilt.data["store_faults"] == first.data["store_faults"]
 
-    registry = CollectorRegistry()
-    prom = MooncakeLifecycleConnector.build_prom_metrics(
-        SimpleNamespace(kv_transfer_config=None),
-        metric_types(registry),
-        ["model_name", "engine"],
-        {0: ["m", "0"]},
-    )
+    prom, value = one_engine_prom()
     prom.observe(first.data, engine_idx=0)
     prom.observe(first.data, engine_idx=0)
     engine = {"model_name": "m", "engine": "0"}
-    value = registry.get_sample_value
     assert value(MetricName.STORE_FAULTS, {**engine, "kind": "transfer"}) == 10
     restored = {**engine, "kind": "metadata_restored"}
     assert value(MetricName.STORE_FAULTS, restored) == 4
@@ -388,15 +394,8 @@ def test_lookup_outcomes_reach_the_payload_the_log_line_and_prometheus():
     rebuilt = LifecycleConnectorStats(data=json.loads(json.dumps(first.data)))
     assert rebuilt.data["lookups"] == first.data["lookups"]
 
-    registry = CollectorRegistry()
-    prom = MooncakeLifecycleConnector.build_prom_metrics(
-        SimpleNamespace(kv_transfer_config=None),
-        metric_types(registry),
-        ["model_name", "engine"],
-        {0: ["m", "0"]},
-    )
+    prom, value = one_engine_prom()
     prom.observe(first.data, engine_idx=0)
     engine = {"model_name": "m", "engine": "0"}
-    value = registry.get_sample_value
     assert value(MetricName.LOOKUPS, {**engine, "outcome": "waited"}) == 6
     assert value(MetricName.LOOKUPS, {**engine, "outcome": "on_arrival"}) == 3

@@ -20,6 +20,13 @@ Modes, alternating within each repetition:
   dead peer cheap), then one get session, spans of 1, 1, 2, 4, 8, 16
   layers, each written as it lands (`connector.worker.deadline.layer_spans`).
 
+With ``--shards N`` the blocks are stored head-sharded (the
+``store_tp_size`` layout: N objects per block, one per slice of the KV
+heads, on a head-major layout) and the reader holds all N, as a rank of a
+smaller TP size does: ``whole`` reads the shards one after another,
+``spans`` side by side, each in spans, a layer in once every shard wrote
+it (`connector.worker.shards.Sharded`).
+
 Per mode, medians over ``--reps``: ``forward_ms`` (first layer's wait to
 the last layer's end), ``stall_ms`` (``forward_ms`` minus ``no_load``'s),
 ``first_wait_ms`` and ``load_ms`` (the load's own end); ``stall_ratio``
@@ -46,7 +53,9 @@ from connector.config import MiB
 from connector.ops.master import EmbeddedMaster, store_config_for
 from connector.store import Regions, StoreClient
 from connector.worker.deadline import Deadline
-from connector.worker.transfer import open_transfer
+from connector.worker.pieces import HeadSlice
+from connector.worker.shards import Sharded
+from connector.worker.transfer import Transfer, open_transfer
 
 LAYERS = 32
 KV_HEADS = 8
@@ -55,8 +64,14 @@ BLOCK = 16
 MODES = ("no_load", "whole", "spans")
 
 
-def _kv(blocks: int, layers: int, *, fill: bool) -> dict[str, torch.Tensor]:
-    shape = (2, blocks, BLOCK, KV_HEADS, HEAD_DIM)
+def _kv(
+    blocks: int, layers: int, *, fill: bool, head_major: bool = False
+) -> dict[str, torch.Tensor]:
+    shape = (
+        (2, blocks, KV_HEADS, BLOCK, HEAD_DIM)
+        if head_major
+        else (2, blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    )
     gen = torch.Generator().manual_seed(5)
     return {
         f"model.layers.{i}.self_attn.attn": (
@@ -74,31 +89,57 @@ class Bench:
     """A stored prefix in the owner's segment; the reader's KV to fill."""
 
     def __init__(
-        self, owner: StoreClient, reader: StoreClient, blocks: int, layers: int
+        self,
+        owner: StoreClient,
+        reader: StoreClient,
+        blocks: int,
+        layers: int,
+        shards: int = 1,
     ) -> None:
         self.owner, self.reader = owner, reader
         self.blocks = blocks
         self.ids = list(range(blocks))
-        self.src = _kv(blocks, layers, fill=True)
-        self.dst = _kv(blocks, layers, fill=False)
+        sharded = shards > 1
+        self.src = _kv(blocks, layers, fill=True, head_major=sharded)
+        self.dst = _kv(blocks, layers, fill=False, head_major=sharded)
         self.layers = list(self.src)
-        self.keys = [f"layerwise-load-{i}" for i in self.ids]
-        self.saving = open_transfer(
-            self.src, blocks, Regions, register=owner.register, deadlines=True
-        )
+        self.keys = [
+            f"layerwise-load-s{s}-{i}" for s in range(shards) for i in self.ids
+        ]
+        self.saving = self._open(self.src, owner, shards)
         saved = self.saving.save(
             owner, self.keys, self.ids, self.saving.fence()
         )
         if not all(saved):
             msg = f"the prefix was not stored: {saved.count(False)} failed"
             raise RuntimeError(msg)
-        self.loading = open_transfer(
-            self.dst,
-            blocks,
-            Regions,
-            register=reader.register,
-            deadlines=True,
-            staging_blocks=None,
+        self.loading = self._open(self.dst, reader, shards)
+
+    def _open(
+        self, kv: dict[str, torch.Tensor], client: StoreClient, shards: int
+    ) -> Transfer | Sharded:
+        """One transfer, or one per head shard (`Sharded`)."""
+        if shards == 1:
+            return open_transfer(
+                kv,
+                self.blocks,
+                Regions,
+                register=client.register,
+                deadlines=True,
+            )
+        per = KV_HEADS // shards
+        return Sharded(
+            [
+                open_transfer(
+                    kv,
+                    self.blocks,
+                    Regions,
+                    register=client.register,
+                    deadlines=True,
+                    heads=HeadSlice(i * per, per, KV_HEADS),
+                )
+                for i in range(shards)
+            ]
         )
 
     def once(self, mode: str, layer_s: float) -> dict[str, float]:
@@ -179,11 +220,17 @@ class Bench:
             (self.loading, self.reader),
             (self.saving, self.owner),
         ):
-            loads = getattr(transfer, "loads", None)
-            if loads is not None:
-                loads.close()
-            for ptr in transfer.registered:
-                client.unregister(ptr)
+            parts = (
+                transfer.parts
+                if isinstance(transfer, Sharded)
+                else (transfer,)
+            )
+            for part in parts:
+                loads = getattr(part, "loads", None)
+                if loads is not None:
+                    loads.close()
+                for ptr in part.registered:
+                    client.unregister(ptr)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -198,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             StoreClient.open(owner_config) as owner,
             StoreClient.open(reader_config) as reader,
         ):
-            bench = Bench(owner, reader, args.blocks, args.layers)
+            bench = Bench(owner, reader, args.blocks, args.layers, args.shards)
             try:
                 rows = {
                     str(ms): bench.measure(args.reps, ms / 1e3)
@@ -213,6 +260,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "blocks": args.blocks,
         "layers": args.layers,
+        "shards": args.shards,
         "block_bytes": 2 * BLOCK * KV_HEADS * HEAD_DIM * 2 * args.layers,
         "reps": args.reps,
         "by_layer_ms": rows,
@@ -235,9 +283,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--segment-mib", type=int, default=512)
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="head shards per block, all read by the reader (divides 8)",
+    )
     args = parser.parse_args(argv)
     if args.blocks <= 0 or args.layers <= 0 or args.reps <= 0:
         parser.error("--blocks, --layers and --reps must be positive")
+    if args.shards <= 0 or KV_HEADS % args.shards:
+        parser.error(f"--shards must divide the {KV_HEADS} KV heads")
     doc = run(args)
     if args.json:
         print(json.dumps(doc, indent=2))

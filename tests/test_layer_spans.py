@@ -273,27 +273,171 @@ def test_get_spans_reads_each_span_into_place(own_and_reader, unique, opened):
 class _Part:
     """A shard's transfer that records how its load was asked for."""
 
-    def __init__(self):
+    def __init__(self, gate=None):
         self.by_layer: list[bool] = []
+        self.writers: list[int] = []
+        self.entered = threading.Event()
+        self.gate = gate
 
     def load(self, store, keys, block_ids, deadline=None):
+        self.entered.set()
         self.by_layer.append(deadline.by_layer)
+        self.writers.append(deadline.writers)
+        if self.gate is not None:
+            assert self.gate.wait(5)
         return [True] * len(block_ids)
 
 
-def test_head_shards_are_read_whole():
-    """Two head shards of one layer: neither may mark the layer landed on
-    its own, so a sharded load reads whole; one shard keeps its spans."""
+def test_head_shards_are_read_side_by_side_each_by_layer():
+    """Two head shards of one layer: both are read by layer at once (the
+    first waits for the second to have begun), a layer counted landed
+    only once both wrote it; one shard alone keeps one writer."""
     from connector.worker.shards import Sharded  # noqa: PLC0415
 
-    parts = [_Part(), _Part()]
+    second = _Part()
+    parts = [_Part(gate=second.entered), second]
     deadline = Deadline.after(10, by_layer=True)
-    assert Sharded(parts).load(None, ["a0", "b0"], [1], deadline) == [True]
-    assert [p.by_layer for p in parts] == [[False], [False]]
+    flags = Sharded(parts).load(None, ["a0", "b0"], [1], deadline)
+    assert flags == [True]
+    assert [p.by_layer for p in parts] == [[True], [True]]
+    assert [p.writers for p in parts] == [[2], [2]]
     one = _Part()
     deadline = Deadline.after(10, by_layer=True)
     assert Sharded([one]).load(None, ["a0"], [1], deadline) == [True]
     assert one.by_layer == [True]
+    assert one.writers == [1]
+
+
+def test_a_layer_lands_once_every_writer_wrote_it():
+    """`end_write` of one of two writers does not land a layer; the
+    watchdog cannot take the load while either writer is in a span."""
+    deadline = Deadline.after(10, by_layer=True)
+    deadline.writers = 2
+    assert deadline.begin_write()
+    assert deadline.begin_write()
+    deadline.end_write(["l0"])
+    assert "l0" not in deadline.landed
+    assert not deadline.wait_for_layer("l0", 0.01)
+    assert not deadline.expire()  # the other writer is mid-span
+    deadline.end_write(["l0", "l1"])
+    assert deadline.landed == {"l0"}
+    assert deadline.wait_for_layer("l0", 0)
+    assert deadline.expire()
+    assert not deadline.begin_write()
+
+
+class _HeldKeys:
+    """The reader; spans of keys starting with `held` told once released."""
+
+    def __init__(self, store, held, first_held=0):
+        self.store = store
+        self.held = held
+        self.first_held = first_held
+        self.release = threading.Event()
+        self.reads_spans = True
+        self.sessions = 0
+
+    def get_spans(self, keys, ptrs, spans, landed):
+        self.sessions += 1
+        hold = all(k.startswith(self.held) for k in keys)
+
+        def told(index, ok):
+            if hold and index >= self.first_held:
+                self.release.wait(10)
+            return landed(index, ok)
+
+        return self.store.get_spans(keys, ptrs, spans, told)
+
+    def get(self, keys, regions):
+        return self.store.get(keys, regions)
+
+    def local_reads(self, keys):
+        return self.store.local_reads(keys)
+
+
+def _sharded(client, kv, made):
+    from connector.store import Regions  # noqa: PLC0415
+    from connector.worker.pieces import HeadSlice  # noqa: PLC0415
+    from connector.worker.shards import Sharded  # noqa: PLC0415
+    from connector.worker.transfer import open_transfer  # noqa: PLC0415
+
+    parts = [
+        open_transfer(
+            kv,
+            NUM_BLOCKS,
+            Regions,
+            register=client.register,
+            deadlines=True,
+            heads=HeadSlice(first, 2, 4),
+        )
+        for first in (0, 2)
+    ]
+    made.extend((client, part) for part in parts)
+    return Sharded(parts)
+
+
+@pytest.fixture
+def sharded_opened():
+    made = []
+    yield lambda client, kv: _sharded(client, kv, made)
+    for client, transfer in reversed(made):
+        transfer.loads.close()
+        for ptr in transfer.registered:
+            client.unregister(ptr)
+
+
+def _heads(kv, layer, first):
+    return kv[layer][BLOCKS][:, first : first + 2]
+
+
+@pytest.mark.parametrize("held", ["both", "b"])
+def test_a_head_sharded_layer_waits_for_every_shard(
+    own_and_reader, unique, sharded_opened, held
+):
+    """A rank reading two head shards per block from a peer, in spans.
+
+    ``both``: spans from 1 on held for each shard: layer 0's wait returns
+    with both head halves of layer 0 in and every later layer untouched.
+    ``b``: shard b held whole: shard a wrote every layer, yet no layer
+    is landed until b's spans are in.  Released, everything lands."""
+    owner, reader = own_and_reader
+    src = _kv(seed=11)
+    keys = [f"{unique}-{s}-{b}" for s in ("a", "b") for b in BLOCKS]
+    saving = sharded_opened(owner, src)
+    assert saving.save(owner, keys, BLOCKS, saving.fence()) == [True] * 4
+    dst = _kv()
+    target = sharded_opened(reader, dst)
+    prefix = unique if held == "both" else f"{unique}-b"
+    store = _HeldKeys(reader, prefix, first_held=1 if held == "both" else 0)
+    deadline = Deadline.after(10, by_layer=True)
+    out: list[list[bool]] = []
+    loader = threading.Thread(
+        target=lambda: out.append(target.load(store, keys, BLOCKS, deadline))
+    )
+    loader.start()
+    try:
+        if held == "both":
+            assert deadline.wait_for_layer("l0", 5)
+            assert torch.equal(dst["l0"][BLOCKS], src["l0"][BLOCKS])
+            assert all(_untouched(dst, f"l{i}") for i in range(1, LAYERS))
+        else:
+            end = time.monotonic() + 5
+            while not all(
+                torch.equal(_heads(dst, f"l{i}", 0), _heads(src, f"l{i}", 0))
+                for i in range(LAYERS)
+            ):
+                assert time.monotonic() < end, "shard a never landed"
+                time.sleep(0.01)
+            assert not _heads(dst, "l0", 2).any()
+        assert not deadline.wait_for_layer("l0" if held == "b" else "l1", 0.05)
+    finally:
+        store.release.set()
+    loader.join(10)
+    assert out == [[True] * 4]
+    assert all(_same(dst, src, f"l{i}") for i in range(LAYERS))
+    assert deadline.landed == {f"l{i}" for i in range(LAYERS)}
+    assert store.sessions == 2  # one get session per shard
+    assert [p.loads.spanned for p in target.parts] == [1, 1]
 
 
 _OWNER = """

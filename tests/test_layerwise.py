@@ -13,6 +13,7 @@ writes.  Larger hits stay asynchronous.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -41,15 +42,18 @@ def make(extra, harnesses):
     from harness import Harness  # noqa: PLC0415
 
     def _make(
+        *,
         max_blocks=8,
         timeout=TIMEOUT_S,
         save_blocks=0,
         lookup_wait_ms=0,
         segment=None,
+        store_tp=None,
         **kw,
     ):
         conf = {
             **extra,
+            **({"store_tp_size": store_tp} if store_tp else {}),
             # Another segment size: a store client of its own (a peer).
             **({"global_segment_size": segment} if segment else {}),
             "transfer_timeout": timeout,
@@ -109,32 +113,36 @@ def test_a_store_hit_runs_in_the_step_it_is_admitted(make):
 
 
 def _spanned(worker):
-    """Loads the worker's staging read in spans of layers."""
-    for lane in worker.lanes:
-        print(
-            "DBG",
-            type(lane.transfer).__name__,
-            getattr(lane.transfer, "loads", None),
-            type(worker._store).__name__,
-            getattr(worker._store, "reads_spans", None),
-        )
-    return sum(
-        getattr(getattr(lane.transfer, "loads", None), "spanned", 0)
+    """Loads the worker's staging read in spans of layers (per shard)."""
+    transfers = [
+        part
         for lane in worker.lanes
+        for part in getattr(lane.transfer, "parts", (lane.transfer,))
+    ]
+    return sum(
+        getattr(getattr(t, "loads", None), "spanned", 0) for t in transfers
     )
 
 
 class _SlowSpans:
-    """The store, each span after a load's first told late (a slow peer)."""
+    """The store, each span after a load's first told late (a slow peer).
 
-    def __init__(self, store, pause_s):
+    With `lag_session`, every span of that get session (0: the first
+    to start) is late, its first too.
+    """
+
+    def __init__(self, store, pause_s, lag_session=None):
         self.store = store
         self.pause_s = pause_s
+        self.lag_session = lag_session
         self.told: list[int] = []
+        self._sessions = itertools.count()
 
     def get_spans(self, keys, ptrs, spans, landed):
+        lag = next(self._sessions) == self.lag_session
+
         def slow(index, ok):
-            if index:
+            if index or lag:
                 time.sleep(self.pause_s)
             self.told.append(index)
             return landed(index, ok)
@@ -143,6 +151,14 @@ class _SlowSpans:
 
     def __getattr__(self, name):
         return getattr(self.store, name)
+
+
+def _peer_segment(seed):
+    """A segment size no other harness of the session used: B's store
+    client opens after A saved, so no block of A's lies in B's segment
+    (clients live as long as the process; a get from one's own segment
+    is a memcpy, never read in spans)."""
+    return f"{40 + seed}MiB"
 
 
 def _peer_hit(make, seed, pause_s):
@@ -155,7 +171,7 @@ def _peer_hit(make, seed, pause_s):
     b = make(
         num_blocks=40,
         num_layers=4,
-        segment="48MiB",
+        segment=_peer_segment(seed),
         enable_prefix_caching=False,
     )
     w = b.worker_connector.worker_side
@@ -182,6 +198,43 @@ def test_a_peers_hit_is_waited_for_layer_by_layer(make):
     assert (w.jobs_done[LOAD], w.jobs_failed[LOAD]) == (1, 0)
     assert w.layer_loads_expired == 0
     assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+    assert_clean(b)
+
+
+def test_a_rank_holding_two_head_shards_waits_for_both_by_layer(make):
+    """A at TP=2 stores a prefix head-sharded (``store_tp_size`` 2); B at
+    TP=1, a peer, holds both shards of each block and loads them
+    layer-wise: both shards are read in spans side by side, each span
+    after the first told 50 ms late, and every span of the second shard
+    to start.  The harness checks each layer's KV (both head halves)
+    when its attention runs, so a layer counted in after one shard (its
+    first span in, the other's late) fails the run."""
+    a = make(tp_size=2, kv_heads=2, num_blocks=40, num_layers=4, store_tp=2)
+    a.add_request("a", prompt(15, PREFIX), max_tokens=2)
+    run(a)
+    b = make(
+        kv_heads=2,
+        num_blocks=40,
+        num_layers=4,
+        store_tp=2,
+        segment=_peer_segment(15),
+        enable_prefix_caching=False,
+    )
+    w = b.worker_connector.worker_side
+    slow = _SlowSpans(w._store, 0.05, lag_session=1)
+    w._store = slow
+    b.add_request("b", [*prompt(15, PREFIX), 5], max_tokens=4)
+    seen = _statuses(b, "b")
+    run(b)
+    assert "WAITING_FOR_REMOTE_KVS" not in {s for s, _ in seen}
+    assert b.external_hit_tokens == PREFIX
+    assert [len(lane.transfer.parts) for lane in w.lanes] == [2]
+    assert _spanned(w) == 2  # each shard in spans
+    assert sorted(slow.told) == [0, 0, 1, 1, 2, 2]
+    assert (w.jobs_done[LOAD], w.jobs_failed[LOAD]) == (1, 0)
+    assert w.layer_loads_expired == 0
+    assert b.finished_by_status() == {"FINISHED_LENGTH_CAPPED": 1}
+    assert_clean(a)
     assert_clean(b)
 
 

@@ -15,12 +15,16 @@ from benchmarks import layerwise_load
 pytestmark = pytest.mark.mooncake
 
 
-def test_tiny_run_prints_sane_json(capsys, master_binary):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_tiny_run_prints_sane_json(capsys, master_binary, shards):
+    """One object per block, or two head shards read by one reader."""
     argv = ["--json", "--reps", "2", "--blocks", "4", "--layers", "4"]
     argv += ["--layer-ms", "1", "--segment-mib", "64"]
+    argv += ["--shards", str(shards)]
     assert layerwise_load.main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["blocks"] == 4
+    assert doc["shards"] == shards
     row = doc["by_layer_ms"]["1.0"]
     assert set(row) == {*layerwise_load.MODES, "stall_ratio"}
     for mode in ("whole", "spans"):
@@ -32,3 +36,5 @@ def test_tiny_run_prints_sane_json(capsys, master_binary):
 def test_counts_must_be_positive():
     with pytest.raises(SystemExit):
         layerwise_load.main(["--blocks", "0"])
+    with pytest.raises(SystemExit):
+        layerwise_load.main(["--shards", "3"])  # 8 heads do not split in 3

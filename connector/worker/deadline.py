@@ -37,6 +37,7 @@ over when it returns.  No vLLM import.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -61,7 +62,7 @@ this on average; then one indexed copy per piece."""
 MAX_BUFFERS: Final = 4
 """Most staging buffers of one load path (late gets each hold one)."""
 
-_OPEN, _CLAIMED, _EXPIRED, _WRITING = range(4)
+_OPEN, _CLAIMED, _EXPIRED = range(3)
 
 
 @attrs.define(eq=False)
@@ -75,17 +76,28 @@ class Deadline:
 
     A load read layer by layer (`LoadStaging` with spans) writes each
     span between `begin_write` and `end_write` instead: the watchdog may
-    still take it between two spans (never during one), and a forward
-    waiting for one layer (`wait_for_layer`) goes on once that layer
-    `landed`, or once the load `finish`ed.
+    still take it between two spans (never during one, of any writer),
+    and a forward waiting for one layer (`wait_for_layer`) goes on once
+    that layer `landed`, or once the load `finish`ed.  A layer is landed
+    once each of its `writers` wrote it (the head shards a rank reads
+    as separate objects, `connector.worker.shards.Sharded`).
     """
 
     at: float
     #: A forward waits for this load layer by layer (`wait_for_layer`):
     #: a staged load reads it in spans of layers (`LoadStaging`).
     by_layer: bool = attrs.field(default=False, kw_only=True)
+    #: Transfers that each write part of every layer (one per head shard
+    #: of the load); a layer landed once every one wrote it.
+    writers: int = attrs.field(default=1, kw_only=True)
     _lock: threading.Condition = attrs.field(factory=threading.Condition)
     _state: int = _OPEN
+    #: Spans being written now (by any writer): the watchdog waits.
+    _writing: int = 0
+    #: Per layer, the writers that wrote it so far.
+    _written: collections.Counter[str] = attrs.field(
+        factory=collections.Counter
+    )
     #: Layers whose KV this load has written, every block of it.
     landed: set[str] = attrs.field(factory=set)
     _done: bool = False
@@ -114,7 +126,7 @@ class Deadline:
         reports the load, soon).
         """
         with self._lock:
-            if self._state in (_CLAIMED, _WRITING):
+            if self._state == _CLAIMED or self._writing:
                 return False
             self._state = _EXPIRED
             self._lock.notify_all()
@@ -130,16 +142,17 @@ class Deadline:
         with self._lock:
             if self._state == _EXPIRED:
                 return False
-            if self._state == _OPEN:
-                self._state = _WRITING
+            self._writing += 1
             return True
 
     def end_write(self, layers: Iterable[str]) -> None:
-        """The span begun last is written: its `layers` landed."""
+        """The span this writer began last is written: its `layers` too."""
         with self._lock:
-            if self._state == _WRITING:
-                self._state = _OPEN
-            self.landed.update(layers)
+            self._writing = max(self._writing - 1, 0)
+            for layer in layers:
+                self._written[layer] += 1
+                if self._written[layer] >= self.writers:
+                    self.landed.add(layer)
             self._lock.notify_all()
 
     def finish(self) -> None:
@@ -162,7 +175,7 @@ class Deadline:
 
 
 @attrs.define(eq=False)
-class _Call:
+class Call:
     """One get handed to a runner; settled by exactly one side."""
 
     fn: Callable[[], list[bool]]
@@ -206,20 +219,21 @@ class _Ahead:
 
     chunk: list[int]
     buffer: torch.Tensor | None = None
-    call: _Call | None = None
+    call: Call | None = None
 
 
-class _Runners:
-    """Daemon threads running `_Call`s; a new one when none is idle."""
+class Runners:
+    """Daemon threads running `Call`s; a new one when none is idle."""
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
         self.threads = 0
 
-    def submit(self, call: _Call) -> None:
+    def submit(self, call: Call) -> None:
+        """Run `call` on an idle runner, or a new one."""
         with self._lock:
             spawn = self._idle == 0
             if spawn:
@@ -384,7 +398,7 @@ class LoadStaging:
         self._registered: list[int] = []
         self._made = 0
         self._held_late = 0
-        self._runners = _Runners("kv-lifecycle-get")
+        self._runners = Runners("kv-lifecycle-get")
         #: Chunks given up at their deadline (their get still ran).
         self.late = 0
         #: Chunks failed at once: every buffer was held by a late get.
@@ -500,7 +514,7 @@ class LoadStaging:
             for buffer in buffers:
                 self._give(buffer, late=True)
 
-        call = _Call(read, give_late)
+        call = Call(read, give_late)
         self._runners.submit(call)
         self.spanned += 1
         ok = self._write_spans(buffers, block_ids, landed, deadline)
@@ -516,7 +530,7 @@ class LoadStaging:
 
     def _end_spans(
         self,
-        call: _Call,
+        call: Call,
         buffers: list[torch.Tensor],
         ok: list[bool],
         *,
@@ -637,7 +651,7 @@ class LoadStaging:
         if lent is None:
             return _Ahead(chunk)
         buffer, regions = lent
-        call = _Call(
+        call = Call(
             lambda: store.get(keys, regions).succeeded,
             lambda: self._give(buffer, late=True),
         )

@@ -8,9 +8,11 @@ transfer each.  No vLLM import.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+import functools
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from connector.errors import ConfigError
+from connector.worker.deadline import Call, Deadline, Runners
 from connector.worker.lanes import Lane
 from connector.worker.pieces import (
     BlockStore,
@@ -27,8 +29,6 @@ if TYPE_CHECKING:
 
     import torch
 
-    from connector.worker.deadline import Deadline
-
 __all__ = [
     "HeadSlice",
     "ShardPlan",
@@ -37,6 +37,11 @@ __all__ = [
     "head_pieces",
     "sharded_transfer",
 ]
+
+JOIN_GRACE_S: Final = 1.0
+"""How long past a layer-wise load's deadline its shards are waited for
+(each shard's load is bounded by the deadline; this covers the copy of a
+span already begun)."""
 
 
 class ShardPlan(Protocol):
@@ -83,6 +88,7 @@ class Sharded:
             msg = "no shard to move"
             raise ValueError(msg)
         self.parts = tuple(parts)
+        self._runners: Runners | None = None
 
     @property
     def registered(self) -> tuple[int, ...]:
@@ -133,19 +139,62 @@ class Sharded:
     ) -> list[bool]:
         """Get every shard of every block, each shard by `deadline`.
 
-        Several shards are read whole (``by_layer`` cleared): a layer is
-        in only once every shard of it is, and each shard's spans would
-        mark it landed on their own.
+        A load the forward waits for layer by layer (``by_layer``) reads
+        its shards side by side, each in spans of layers where it can: a
+        layer is landed once every shard wrote it (``deadline.writers``),
+        so the first layer's wait is one span of each shard, not every
+        shard whole.  Otherwise the shards are read one after another.
         """
-        if deadline is not None and len(self.parts) > 1:
-            deadline.by_layer = False
-        flags = [True] * len(block_ids)
-        for part, part_keys in zip(
-            self.parts, self._split(keys, len(block_ids)), strict=True
-        ):
-            got = part.load(store, part_keys, block_ids, deadline)
-            flags = [a and b for a, b in zip(flags, got, strict=True)]
-        return flags
+        split = self._split(keys, len(block_ids))
+        if deadline is not None and deadline.by_layer and len(self.parts) > 1:
+            got = self._load_together(store, split, block_ids, deadline)
+        else:
+            got = [
+                part.load(store, part_keys, block_ids, deadline)
+                for part, part_keys in zip(self.parts, split, strict=True)
+            ]
+        return [all(flags) for flags in zip(*got, strict=True)]
+
+    def _load_together(
+        self,
+        store: BlockStore,
+        split: list[Sequence[str]],
+        block_ids: Sequence[int],
+        deadline: Deadline,
+    ) -> list[list[bool]]:
+        """Every shard's load at once, per shard its per-block flags.
+
+        The first runs inline, the others on runner threads; each is
+        bounded by `deadline` (a shard not back `JOIN_GRACE_S` after it
+        reads failed).
+        """
+        deadline.writers = len(self.parts)
+        if self._runners is None:
+            self._runners = Runners("kv-lifecycle-shard")
+        calls = []
+        for part, part_keys in zip(self.parts[1:], split[1:], strict=True):
+            call = Call(
+                functools.partial(
+                    part.load, store, part_keys, block_ids, deadline
+                ),
+                _nothing,
+            )
+            self._runners.submit(call)
+            calls.append(call)
+        got = [self.parts[0].load(store, split[0], block_ids, deadline)]
+        failed = [False] * len(block_ids)
+        for call in calls:
+            if not call.settle(max(deadline.left(), 0.0) + JOIN_GRACE_S):
+                got.append(failed)
+                continue
+            if call.error is not None:
+                raise call.error
+            got.append(call.result or failed)
+        return got
+
+
+def _nothing() -> None:
+    """A shard's load given up ends with nothing to hand back."""
 
 
 def sharded_transfer(

@@ -308,6 +308,41 @@ def test_head_shards_are_read_side_by_side_each_by_layer():
     assert one.writers == [1]
 
 
+class _Broken:
+    """A shard's transfer whose load raises."""
+
+    def load(self, store, keys, block_ids, deadline=None):
+        msg = "shard a broke"
+        raise RuntimeError(msg)
+
+
+def test_a_shard_that_raises_waits_for_the_others_first():
+    """Shard a raises while shard b is still writing: the error reaches
+    the caller only once b ended, so no shard writes into blocks after
+    the load was reported failed."""
+    from connector.worker.shards import Sharded  # noqa: PLC0415
+
+    release = threading.Event()
+    b = _Part(gate=release)
+    deadline = Deadline.after(10, by_layer=True)
+    raised: list[BaseException] = []
+
+    def load():
+        try:
+            Sharded([_Broken(), b]).load(None, ["a0", "b0"], [1], deadline)
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    assert b.entered.wait(5)
+    loader.join(0.2)
+    assert loader.is_alive()  # b is still in its load: not reported yet
+    release.set()
+    loader.join(5)
+    assert [str(e) for e in raised] == ["shard a broke"]
+
+
 def test_a_layer_lands_once_every_writer_wrote_it():
     """`end_write` of one of two writers does not land a layer; the
     watchdog cannot take the load while either writer is in a span."""

@@ -181,15 +181,22 @@ class Sharded:
             )
             self._runners.submit(call)
             calls.append(call)
-        got = [self.parts[0].load(store, split[0], block_ids, deadline)]
         failed = [False] * len(block_ids)
+        error: BaseException | None = None
+        try:
+            got = [self.parts[0].load(store, split[0], block_ids, deadline)]
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            error, got = exc, [failed]
+        # Every shard has ended (or passed its bound) before the load is
+        # reported: none writes into blocks vLLM may recompute into.
         for call in calls:
             if not call.settle(max(deadline.left(), 0.0) + JOIN_GRACE_S):
                 got.append(failed)
                 continue
-            if call.error is not None:
-                raise call.error
+            error = error or call.error
             got.append(call.result or failed)
+        if error is not None:
+            raise error
         return got
 
 

@@ -8,6 +8,7 @@ transfer each.  No vLLM import.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 from connector.errors import ConfigError
@@ -20,7 +21,13 @@ from connector.worker.pieces import (
     Register,
     head_pieces,
 )
-from connector.worker.transfer import Transfer, open_transfer
+from connector.worker.transfer import (
+    LayerWaits,
+    LayerWise,
+    SaveWaits,
+    Transfer,
+    open_transfer,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -72,7 +79,8 @@ class Sharded:
 
     `save` and `load` take the keys shard-major (every block's key of the
     first shard, then of the second ...); a block moved when every shard
-    of it did.
+    of it did.  Saves follow the forward layer by layer (`layer_waits`)
+    when every part's can (`waits_by_layer`).
 
     Args:
         parts: One transfer per head shard, in shard order.
@@ -89,10 +97,38 @@ class Sharded:
         """Every shard's registered addresses (load staging grows later)."""
         return tuple(a for p in self.parts for a in p.registered)
 
+    @property
+    def waits_by_layer(self) -> bool:
+        """Whether every shard's save can follow the forward by layer."""
+        return all(part.waits_by_layer for part in self.parts)
+
     def layer_written(self, layer: str) -> None:
         """Every shard's transfer marks the layer."""
         for part in self.parts:
             part.layer_written(layer)
+
+    def layer_waits(self) -> tuple[SaveWaits, ...]:
+        """One fence filled layer by layer per shard, in shard order.
+
+        `fence` closes them all.
+
+        Raises:
+            TypeError: a shard's transfer cannot save layer-wise (check
+                `waits_by_layer` first).
+        """
+        waits = []
+        for part in self.parts:
+            if not isinstance(part, LayerWise) or not part.waits_by_layer:
+                msg = f"{type(part).__name__} cannot save layer by layer"
+                raise TypeError(msg)
+            waits.append(part.layer_waits())
+        return tuple(waits)
+
+    def drop_layer_waits(self) -> None:
+        """Fail every shard's save still waiting on this step's layers."""
+        for part in self.parts:
+            if isinstance(part, LayerWise):
+                part.drop_layer_waits()
 
     def fence(self) -> CopyWaits:
         """One fence per shard."""
@@ -114,15 +150,28 @@ class Sharded:
         block_ids: Sequence[int],
         fence: CopyWaits,
     ) -> list[bool]:
-        """Put every shard of every block."""
-        flags = [True] * len(block_ids)
+        """Put every shard of every block.
+
+        Given layer-wise fences (`layer_waits`), each shard saves on a
+        thread of its own, so every shard's gather follows the forward
+        (one after another, a shard would start only once the one before
+        it had its last layer); the call returns once all ended and
+        raises the first shard's error, if any.
+        """
         fences = fence or ((),) * len(self.parts)
-        for part, part_keys, part_fence in zip(
-            self.parts, self._split(keys, len(block_ids)), fences, strict=True
-        ):
-            got = part.save(store, part_keys, block_ids, part_fence)
-            flags = [a and b for a, b in zip(flags, got, strict=True)]
-        return flags
+        saves = list(
+            zip(
+                self.parts,
+                self._split(keys, len(block_ids)),
+                fences,
+                strict=True,
+            )
+        )
+        if len(saves) > 1 and any(isinstance(f, LayerWaits) for f in fences):
+            got = _side_by_side(store, block_ids, saves)
+        else:
+            got = [part.save(store, k, block_ids, f) for part, k, f in saves]
+        return [all(per_shard) for per_shard in zip(*got, strict=True)]
 
     def load(
         self,
@@ -148,6 +197,42 @@ class Sharded:
         return flags
 
 
+def _side_by_side(
+    store: BlockStore,
+    block_ids: Sequence[int],
+    saves: Sequence[tuple[Transfer, Sequence[str], Any]],
+) -> list[list[bool]]:
+    """Run each shard's save on a thread of its own (the first here).
+
+    Waits for every one; then raises the first error, if any.
+    """
+    got: list[list[bool]] = [[] for _ in saves]
+    errors: list[BaseException | None] = [None] * len(saves)
+
+    def run(i: int) -> None:
+        part, keys, fence = saves[i]
+        try:
+            got[i] = part.save(store, keys, block_ids, fence)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors[i] = exc
+
+    threads = [
+        threading.Thread(
+            target=run, args=(i,), name=f"kv-lifecycle-shard-{i}", daemon=True
+        )
+        for i in range(1, len(saves))
+    ]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    for error in errors:
+        if error is not None:
+            raise error
+    return got
+
+
 def sharded_transfer(
     kv_caches: Mapping[str, torch.Tensor],
     num_blocks: int,
@@ -155,10 +240,14 @@ def sharded_transfer(
     register: Register,
     plan: ShardPlan,
     *,
+    staging_blocks: int | None = None,
     deadlines: bool = False,
     memory: HostMemory | None = None,
 ) -> Sharded:
     """One transfer per head shard the rank holds, memory registered once.
+
+    Each shard's transfer is `open_transfer`'s, with `staging_blocks`
+    (None: host caches zero copy), `deadlines` and `memory`.
 
     Raises:
         ConfigError: (``store_tp_size``) the KV blocks are not head-major.
@@ -175,6 +264,7 @@ def sharded_transfer(
                     regions,
                     register=register,
                     heads=heads,
+                    staging_blocks=staging_blocks,
                     deadlines=deadlines,
                     memory=memory,
                 )
@@ -194,6 +284,7 @@ def group_lane(
     plan: ShardPlan,
     keys: Any,
     block_bytes: int,
+    staging_blocks: int | None = None,
     deadlines: bool = False,
     memory: HostMemory | None = None,
 ) -> Lane:
@@ -201,14 +292,20 @@ def group_lane(
 
     Head-sharded: one transfer per head shard the rank holds, `keys`
     shard-major (`connector.parallel.ShardKeys`).  Per rank: one transfer
-    and the rank's scheme.  A replica rank's lane does not write.  With
-    `deadlines`, remote loads land in staging memory first (`open_transfer`);
-    with `memory` (a dummy client's), every block is staged in it.
+    and the rank's scheme.  With `staging_blocks` (layer-wise saves),
+    host caches are staged too, in that many blocks, so saves can follow
+    the forward layer by layer.  A replica rank's lane does not write:
+    its saves read no KV, so it is never staged for them (its loads stay
+    zero copy on host caches).  With `deadlines`, remote loads land in
+    staging memory first (`open_transfer`); with `memory` (a dummy
+    client's), every block is staged in it.
 
     Raises:
         ConfigError: (``store_tp_size``) the KV blocks are not head-major.
     """
     transfer: Transfer
+    if not plan.writes:
+        staging_blocks = None
     if plan.shared:
         transfer = sharded_transfer(
             kv_caches,
@@ -216,6 +313,7 @@ def group_lane(
             regions,
             register,
             plan,
+            staging_blocks=staging_blocks,
             deadlines=deadlines,
             memory=memory,
         )
@@ -225,6 +323,7 @@ def group_lane(
             num_blocks,
             regions,
             register=register,
+            staging_blocks=staging_blocks,
             deadlines=deadlines,
             memory=memory,
         )

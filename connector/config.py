@@ -810,9 +810,11 @@ class LoadConfig:
             "The save staging holds this many blocks (at least 32; host "
             "KV caches, zero copy otherwise, are staged too): a step's "
             "first this-many saved blocks overlap the forward, the rest "
-            "are gathered after it. Blocks stay pinned until saved. Lanes "
-            "of hybrid, head-sharded or replicated layouts save after the "
-            "forward. ``0`` (the default): every save starts after the "
+            "are gathered after it. Blocks stay pinned until saved. "
+            "Head-sharded (``store_tp_size``) and hybrid layouts save "
+            "layer-wise too, each head shard gathered on a thread of its "
+            "own; a replica rank of replicated KV puts nothing and stages "
+            "nothing. ``0`` (the default): every save starts after the "
             "forward pass.",
             coerce_int,
         ),

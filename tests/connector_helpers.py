@@ -86,6 +86,23 @@ def assert_clean(h):
     assert len(w.registry) == 0
 
 
+def early_saves(worker_side):
+    """Per `wait_for_save` of `worker_side`, the saves queued before it.
+
+    Layer-wise saves are queued at a step's first `save_kv_layer`; the
+    list grows by one count per step, taken as `wait_for_save` starts.
+    """
+    counts: list[int] = []
+    wait = worker_side.wait_for_save
+
+    def counted(meta):
+        counts.append(len(worker_side._early_saves))
+        wait(meta)
+
+    worker_side.wait_for_save = counted
+    return counts
+
+
 def fail_every_get(worker_side):
     """Make `worker_side`'s store report every get failed.
 

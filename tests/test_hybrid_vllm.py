@@ -20,10 +20,12 @@ import pytest
 pytest.importorskip("vllm")
 
 from connector.groups import GroupKind
+from connector.metadata import JobKind
 from harness.hybrid import HybridHarness
 from tests.connector_helpers import (
     CONNECTOR,
     assert_clean,
+    early_saves,
     fail_every_get,
     prompt,
     run,
@@ -142,6 +144,36 @@ def test_hybrid_producer_consumer_prefix_sharing(make):
     assert stats["g1"]["load_blocks"] == 6
     assert stats["g1"]["load_bytes"] == 6 * worker(b).lanes[1].block_bytes
     assert stats["g0"]["load_bytes"] == 16 * worker(b).lanes[0].block_bytes
+    assert_clean(b)
+
+
+def test_hybrid_groups_save_layer_by_layer(make, extra, harnesses):
+    """``layerwise_save_blocks`` on a hybrid model (host caches staged):
+    every save is queued at its step's first ``save_kv_layer``, each
+    group's lane gathering its layers as the forward reports them; B
+    loads both groups, bytes checked each step."""
+    a = HybridHarness(
+        CONNECTOR,
+        extra_config={**extra, "layerwise_save_blocks": 8},
+        num_blocks=64,
+        sliding_window=WINDOW,
+        kv_role="kv_producer",
+    )
+    harnesses.append(a)
+    w = worker(a)
+    assert all(lane.transfer.waits_by_layer for lane in w.lanes)
+    early = early_saves(w)
+    for s in (3, 4):
+        a.add_request(f"a{s}", prompt(s, 128), max_tokens=3)
+    run(a)
+    assert sum(early) == w.jobs_done[JobKind.SAVE] >= 2
+    assert w.jobs_failed[JobKind.SAVE] == 0
+    assert_clean(a)
+    b = make(kv_role="kv_consumer")
+    for s in (3, 4):
+        b.add_request(f"b{s}", [*prompt(s, 128), 7, 8], max_tokens=4)
+    run(b)
+    assert sum(b.external_hits.values()) == 2 * 128
     assert_clean(b)
 
 

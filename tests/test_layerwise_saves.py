@@ -18,11 +18,17 @@ import pytest
 import torch
 
 from connector.metadata import ConnectorMeta, JobKind, JobResult
-from connector.worker.transfer import Direct, Staged
+from connector.parallel import ShardKeys, TPPlan
+from connector.store import Regions
+from connector.store.keys import KeyLayout, KeyScheme
+from connector.worker.shards import Sharded, group_lane
+from connector.worker.side import WorkerSide
+from connector.worker.transfer import Direct, KVLayout, Staged
 from tests.worker_helpers import (
     JobMaker,
     assert_stored,
     make_worker,
+    read_back,
     settle,
 )
 
@@ -198,3 +204,216 @@ def test_shutdown_mid_forward_fails_the_waiting_save(make, job):
     assert w.shutdown(timeout=5)
     assert time.monotonic() - started < 2
     assert w.jobs_failed[SAVE] == 1
+
+
+# -- head-sharded lanes (``store_tp_size``) ---------------------------------
+
+HEADS = 4
+SHARDS = 2  # head shards this rank holds: one store object each
+
+
+def _sharded_kv() -> dict[str, torch.Tensor]:
+    """Head-major host KV: [blocks, heads, tokens, width] per layer."""
+    return {
+        f"l{i}": torch.full((NUM_BLOCKS, HEADS, TOKENS, WIDTH), -1.0)
+        for i in range(LAYERS)
+    }
+
+
+def _write_heads(kv: dict[str, torch.Tensor], layer: int, step: int) -> None:
+    """The forward writes `layer`'s KV of step `step`, every head its own."""
+    kv[f"l{layer}"].copy_(
+        torch.arange(NUM_BLOCKS * HEADS * TOKENS * WIDTH, dtype=torch.float32)
+        .reshape(NUM_BLOCKS, HEADS, TOKENS, WIDTH)
+        .add(1000.0 * layer + 100_000.0 * step)
+    )
+
+
+def _plan(*, writes: bool = True) -> TPPlan:
+    """TP 1 over 4 heads stored as 2 head shards (a replica: TP 2, 1 head)."""
+    if writes:
+        return TPPlan(0, 1, num_kv_heads=HEADS, store_tp=SHARDS)
+    return TPPlan(1, 2, num_kv_heads=1)
+
+
+@pytest.fixture
+def make_sharded(store_client, unique, workers):
+    """A worker whose one lane is `group_lane`'s for `plan`."""
+
+    def _make(kv, *, staging_blocks=4, writes=True):
+        plan = _plan(writes=writes)
+        probe = kv["l0"]
+        block_bytes = sum(t[0].numel() * t.element_size() for t in kv.values())
+        scheme = KeyScheme(
+            namespace=unique,
+            model="m",
+            tp_rank=0,
+            tp_size=1,
+            layout=KeyLayout(
+                "float32",
+                block_tokens=TOKENS,
+                block_bytes=block_bytes,
+                detail=f"{tuple(probe.shape)}",
+            ),
+        )
+        schemes = plan.schemes(scheme)
+        lane = group_lane(
+            kv,
+            NUM_BLOCKS,
+            Regions,
+            register=store_client.register,
+            plan=plan,
+            keys=ShardKeys(schemes) if plan.shared else schemes[0],
+            block_bytes=block_bytes,
+            staging_blocks=staging_blocks,
+        )
+        return workers.add(
+            WorkerSide(
+                store_client,
+                lane.keys,
+                KVLayout.from_tensors(kv, NUM_BLOCKS),
+                Regions,
+                transfer=lane.transfer,
+                lanes=[lane],
+                layerwise_saves=staging_blocks is not None,
+            )
+        )
+
+    return _make
+
+
+def _sharded_forward(w, kv, meta, *, pause_s=0.0, layers=range(LAYERS)):
+    w.handle_preemptions(meta)
+    w.start_load_kv(meta)
+    for layer in layers:
+        w.wait_for_layer_load(f"l{layer}")
+        time.sleep(pause_s)
+        _write_heads(kv, layer, meta.step)
+        w.save_kv_layer(f"l{layer}", meta)
+
+
+def _assert_shards_stored(client, w, job_, kv):
+    """Each shard object of each block holds its head slice, every layer."""
+    per_shard = HEADS // SHARDS
+    keys = w.lanes[0].keys.keys(job_.block_hashes)  # shard-major
+    count = len(job_.block_ids)
+    for shard in range(SHARDS):
+        heads = slice(shard * per_shard, (shard + 1) * per_shard)
+        want = [
+            torch.cat(
+                [
+                    t[b, heads].contiguous().view(torch.uint8).reshape(-1)
+                    for t in kv.values()
+                ]
+            )
+            for b in job_.block_ids
+        ]
+        shard_keys = keys[shard * count : (shard + 1) * count]
+        got, rows = read_back(client, shard_keys, want[0].numel())
+        assert got == [True] * count, f"shard {shard} not stored: {got}"
+        for row, expected, b in zip(rows, want, job_.block_ids, strict=True):
+            diff = int((row != expected).sum())
+            assert diff == 0, f"shard {shard} block {b}: {diff} bytes differ"
+
+
+def _save_waits(w):
+    """Per head shard, the layers its save's gather has waited for."""
+    return [part.ops[1].waits for part in w.lanes[0].transfer.parts]
+
+
+def test_head_shards_save_layerwise_before_wait_for_save(
+    make_sharded, job, store_client
+):
+    """Both shard objects of every block are put before `wait_for_save`,
+    each layer gathered only once the forward reported it (each layer is
+    written just before its report, after a pause: an early gather would
+    store the old bytes), checked per shard object against its heads."""
+    kv = _sharded_kv()
+    w = make_sharded(kv)
+    sharded = w.lanes[0].transfer
+    assert isinstance(sharded, Sharded)
+    assert len(sharded.parts) == SHARDS
+    assert all(isinstance(p, Staged) for p in sharded.parts)
+    assert sharded.waits_by_layer
+    save = job(1, SAVE, "r", 0, [0, 2, 3], ["a", "b", "c"])
+    meta = ConnectorMeta(step=1, jobs=(save,))
+    _sharded_forward(w, kv, meta, pause_s=0.02)
+    assert [JobResult(1, ok=1)] == _results_before_wait_for_save(w, 1)
+    _assert_shards_stored(store_client, w, save, kv)
+    w.wait_for_save(meta)  # queues nothing twice
+    assert settle(w, 1, timeout=0.3)[1] == []
+    assert (w.jobs_done[SAVE], w.jobs_failed[SAVE]) == (1, 0)
+
+
+def test_every_head_shard_gathers_while_the_forward_runs(make_sharded, job):
+    """Each shard's gather follows the forward layer by layer, side by
+    side: before the last layer is reported, both shards gathered every
+    earlier layer (one after another, the second shard would wait for
+    the first's last layer), and nothing is put yet."""
+    kv = _sharded_kv()
+    w = make_sharded(kv)
+    save = job(1, SAVE, "r", 0, [0, 1], ["a", "b"])
+    meta = ConnectorMeta(step=1, jobs=(save,))
+    _sharded_forward(w, kv, meta, layers=range(LAYERS - 1))
+    end = time.monotonic() + 5
+    while _save_waits(w) != [LAYERS - 1] * SHARDS and time.monotonic() < end:
+        time.sleep(0.005)
+    assert _save_waits(w) == [LAYERS - 1] * SHARDS
+    assert _results_before_wait_for_save(w, 1, timeout=0.1) == []
+    _write_heads(kv, LAYERS - 1, 1)
+    w.save_kv_layer(f"l{LAYERS - 1}", meta)
+    assert [JobResult(1, ok=1)] == _results_before_wait_for_save(w, 1)
+    assert _save_waits(w) == [LAYERS] * SHARDS
+    w.wait_for_save(meta)
+
+
+def test_head_shards_shutdown_mid_forward_fails_the_waiting_save(
+    make_sharded, job
+):
+    """A head-sharded save waiting for a layer the forward never ends:
+    shutdown drops every shard's fence, the save is reported failed."""
+    kv = _sharded_kv()
+    w = make_sharded(kv)
+    save = job(1, SAVE, "r", 0, [0, 1], ["a", "b"])
+    meta = ConnectorMeta(step=1, jobs=(save,))
+    _sharded_forward(w, kv, meta, layers=[0])
+    time.sleep(0.05)
+    started = time.monotonic()
+    assert w.shutdown(timeout=5)
+    assert time.monotonic() - started < 2
+    assert w.jobs_failed[SAVE] == 1
+
+
+def test_zero_copy_head_shards_save_after_the_forward(make_sharded, job):
+    """Host KV without staging: shards are zero copy, the save waits for
+    `wait_for_save` even with layer-wise saves on."""
+    kv = _sharded_kv()
+    w = make_sharded(kv, staging_blocks=None)
+    assert all(isinstance(p, Direct) for p in w.lanes[0].transfer.parts)
+    assert not w.lanes[0].transfer.waits_by_layer
+    w.layerwise_saves = True
+    save = job(1, SAVE, "r", 0, [0], ["a"])
+    meta = ConnectorMeta(step=1, jobs=(save,))
+    _sharded_forward(w, kv, meta)
+    assert _results_before_wait_for_save(w, 1, timeout=0.3) == []
+    w.wait_for_save(meta)
+    assert [JobResult(1, ok=1)] == settle(w, 1)[1]
+
+
+def test_a_replica_lane_is_not_staged_and_holds_nothing_back(
+    make_sharded, job, store_client
+):
+    """A replica rank's lane puts nothing: no save staging (its host KV
+    stays zero copy), and its layer-wise save ends at once, unread."""
+    kv = _sharded_kv()
+    w = make_sharded(kv, writes=False)
+    lane = w.lanes[0]
+    assert not lane.writes
+    assert isinstance(lane.transfer, Direct)
+    save = job(1, SAVE, "r", 0, [0], ["a"])
+    meta = ConnectorMeta(step=1, jobs=(save,))
+    _sharded_forward(w, kv, meta, layers=[0])
+    assert [JobResult(1, ok=1)] == _results_before_wait_for_save(w, 1)
+    keys = lane.keys.keys(save.block_hashes)
+    assert read_back(store_client, keys, lane.block_bytes)[0] == [False]
+    w.wait_for_save(meta)

@@ -21,9 +21,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from connector.metadata import JobKind
 from connector.store.keys import KeyScheme
 from harness import Harness
-from tests.connector_helpers import CONNECTOR, assert_clean, prompt, run
+from tests.connector_helpers import (
+    CONNECTOR,
+    assert_clean,
+    early_saves,
+    prompt,
+    run,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake]
 
@@ -96,6 +103,7 @@ def save_then_load(make, saver, loader, *, heads, extra, length=64):
 
 
 SHARED = {"store_tp_size": 2}
+SAVE = JobKind.SAVE
 
 
 @pytest.mark.parametrize(("saver", "loader"), [(2, 1), (1, 2)])
@@ -124,6 +132,36 @@ def test_ranks_never_share_vllms_empty_output(make):
 
     save_then_load(make, 2, 4, heads=4, extra=SHARED | {"store_tp_size": 4})
     assert EMPTY_MODEL_RUNNER_OUTPUT.kv_connector_output is None
+
+
+def test_head_shards_save_layer_by_layer(make):
+    """``layerwise_save_blocks`` with 2 head shards per rank (TP 1,
+    ``store_tp_size`` 2, host caches staged): the saves are queued at the
+    step's first ``save_kv_layer``, every shard's gather following the
+    forward; TP 2 then loads every head shard, each head checked."""
+    a = make(
+        tp_size=1,
+        kv_heads=2,
+        extra_config=SHARED | {"layerwise_save_blocks": 8},
+    )
+    w = a.worker_connector.worker_side
+    sharded = w.lanes[0].transfer
+    assert len(sharded.parts) == 2
+    assert sharded.waits_by_layer  # staged, host caches too
+    early = early_saves(w)
+    for i in range(3):
+        a.add_request(f"a{i}", prompt(20 + i, 64), max_tokens=2)
+    run(a)
+    # Every save (a prefill's blocks, chunk by chunk) queued mid-forward.
+    assert sum(early) == w.jobs_done[SAVE] >= 3
+    assert w.jobs_failed[SAVE] == 0
+    b = make(tp_size=2, kv_heads=2, extra_config=SHARED)
+    for i in range(3):
+        b.add_request(f"b{i}", [*prompt(20 + i, 64), 7, 8], max_tokens=2)
+    run(b)
+    assert sum(b.external_hits.values()) == 3 * 64
+    clean(a)
+    clean(b)
 
 
 def test_per_rank_layout_does_not_share_across_tp_sizes(make):

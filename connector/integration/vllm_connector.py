@@ -86,7 +86,7 @@ from connector.worker.lanes import Lane
 from connector.worker.shards import group_lane
 from connector.worker.sick import SickPeerStore
 from connector.worker.side import WorkerSide
-from connector.worker.transfer import KVLayout
+from connector.worker.transfer import DEFAULT_STAGING_BLOCKS, KVLayout
 from lifecycle.trace import TraceError, TraceWriter
 
 if TYPE_CHECKING:
@@ -605,7 +605,10 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
 
         Empty for one group of distinct per-rank KV (the plain path).
         Head-sharded: one transfer per head shard the rank holds, keys
-        shard-major.  A replica rank's lane does not write.
+        shard-major.  A replica rank's lane does not write.  With
+        layer-wise saves, writing lanes are staged in at least
+        ``layerwise_save_blocks`` blocks, host caches too (as
+        `WorkerSide.for_kv_caches` does on the plain path).
 
         Raises:
             ConfigError: ``store_tp_size`` over KV blocks that are not
@@ -613,6 +616,10 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         """
         if self._plan.plain and not self._groups.hybrid:
             return []
+        save_blocks = self._loads.layerwise_save_blocks
+        staging = (
+            max(DEFAULT_STAGING_BLOCKS, save_blocks) if save_blocks else None
+        )
         return [
             group_lane(
                 {n: kv_caches[n] for n in self._group_layers(kv_caches, g)},
@@ -622,6 +629,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 plan=self._plan,
                 keys=self._schemes.lane_keys(g),
                 block_bytes=self._keys[g].layout.block_bytes,
+                staging_blocks=staging,
                 deadlines=self._loads.timeout_s is not None,
                 memory=memory,
             )

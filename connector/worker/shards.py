@@ -22,10 +22,16 @@ from connector.worker.pieces import (
     Register,
     head_pieces,
 )
-from connector.worker.transfer import Transfer, open_transfer
+from connector.worker.transfer import (
+    LayerWaits,
+    LayerWise,
+    SaveWaits,
+    Transfer,
+    open_transfer,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     import torch
 
@@ -77,7 +83,8 @@ class Sharded:
 
     `save` and `load` take the keys shard-major (every block's key of the
     first shard, then of the second ...); a block moved when every shard
-    of it did.
+    of it did.  Saves follow the forward layer by layer (`layer_waits`)
+    when every part's can (`waits_by_layer`).
 
     Args:
         parts: One transfer per head shard, in shard order.
@@ -95,10 +102,38 @@ class Sharded:
         """Every shard's registered addresses (load staging grows later)."""
         return tuple(a for p in self.parts for a in p.registered)
 
+    @property
+    def waits_by_layer(self) -> bool:
+        """Whether every shard's save can follow the forward by layer."""
+        return all(part.waits_by_layer for part in self.parts)
+
     def layer_written(self, layer: str) -> None:
         """Every shard's transfer marks the layer."""
         for part in self.parts:
             part.layer_written(layer)
+
+    def layer_waits(self) -> tuple[SaveWaits, ...]:
+        """One fence filled layer by layer per shard, in shard order.
+
+        `fence` closes them all.
+
+        Raises:
+            TypeError: a shard's transfer cannot save layer-wise (check
+                `waits_by_layer` first).
+        """
+        waits = []
+        for part in self.parts:
+            if not isinstance(part, LayerWise) or not part.waits_by_layer:
+                msg = f"{type(part).__name__} cannot save layer by layer"
+                raise TypeError(msg)
+            waits.append(part.layer_waits())
+        return tuple(waits)
+
+    def drop_layer_waits(self) -> None:
+        """Fail every shard's save still waiting on this step's layers."""
+        for part in self.parts:
+            if isinstance(part, LayerWise):
+                part.drop_layer_waits()
 
     def fence(self) -> CopyWaits:
         """One fence per shard."""
@@ -120,15 +155,34 @@ class Sharded:
         block_ids: Sequence[int],
         fence: CopyWaits,
     ) -> list[bool]:
-        """Put every shard of every block."""
-        flags = [True] * len(block_ids)
+        """Put every shard of every block.
+
+        Given layer-wise fences (`layer_waits`), the shards save side by
+        side (`_side_by_side`), so every shard's gather follows the forward
+        (one after another, a shard would start only once the one before
+        it had its last layer); the call returns once all ended and
+        raises the first shard's error, if any.
+        """
         fences = fence or ((),) * len(self.parts)
-        for part, part_keys, part_fence in zip(
-            self.parts, self._split(keys, len(block_ids)), fences, strict=True
-        ):
-            got = part.save(store, part_keys, block_ids, part_fence)
-            flags = [a and b for a, b in zip(flags, got, strict=True)]
-        return flags
+        saves = list(
+            zip(
+                self.parts,
+                self._split(keys, len(block_ids)),
+                fences,
+                strict=True,
+            )
+        )
+        if len(saves) > 1 and any(isinstance(f, LayerWaits) for f in fences):
+            got = self._side_by_side(
+                [
+                    functools.partial(part.save, store, k, block_ids, f)
+                    for part, k, f in saves
+                ],
+                len(block_ids),
+            )
+        else:
+            got = [part.save(store, k, block_ids, f) for part, k, f in saves]
+        return [all(per_shard) for per_shard in zip(*got, strict=True)]
 
     def load(
         self,
@@ -162,35 +216,49 @@ class Sharded:
         block_ids: Sequence[int],
         deadline: Deadline,
     ) -> list[list[bool]]:
-        """Every shard's load at once, per shard its per-block flags.
-
-        The first runs inline, the others on runner threads; each is
-        bounded by `deadline` (a shard not back `JOIN_GRACE_S` after it
-        reads failed).
-        """
+        """Every shard's load at once, each bounded by `deadline`."""
         deadline.writers = len(self.parts)
+        return self._side_by_side(
+            [
+                functools.partial(part.load, store, k, block_ids, deadline)
+                for part, k in zip(self.parts, split, strict=True)
+            ],
+            len(block_ids),
+            bound=deadline,
+        )
+
+    def _side_by_side(
+        self,
+        moves: Sequence[Callable[[], list[bool]]],
+        count: int,
+        *,
+        bound: Deadline | None = None,
+    ) -> list[list[bool]]:
+        """Run every shard's move at once; per shard its `count` flags.
+
+        The first runs here, the others on runner threads.  Every one has
+        ended before this returns (none still moves blocks the caller
+        reports on), or with `bound`, passed it by `JOIN_GRACE_S` (a
+        move that long late reads failed; each load is bounded by its
+        deadline).  Then the first error, if any, is raised.
+        """
         if self._runners is None:
             self._runners = Runners("kv-lifecycle-shard")
-        calls = []
-        for part, part_keys in zip(self.parts[1:], split[1:], strict=True):
-            call = Call(
-                functools.partial(
-                    part.load, store, part_keys, block_ids, deadline
-                ),
-                _nothing,
-            )
+        calls = [Call(move, _nothing) for move in moves[1:]]
+        for call in calls:
             self._runners.submit(call)
-            calls.append(call)
-        failed = [False] * len(block_ids)
+        failed = [False] * count
         error: BaseException | None = None
         try:
-            got = [self.parts[0].load(store, split[0], block_ids, deadline)]
+            got = [moves[0]()]
         except BaseException as exc:  # noqa: BLE001 - raised below
             error, got = exc, [failed]
-        # Every shard has ended (or passed its bound) before the load is
-        # reported: none writes into blocks vLLM may recompute into.
         for call in calls:
-            if not call.settle(max(deadline.left(), 0.0) + JOIN_GRACE_S):
+            if bound is None:
+                call.done.wait()
+            if not call.settle(
+                0.0 if bound is None else bound.left() + JOIN_GRACE_S
+            ):
                 got.append(failed)
                 continue
             error = error or call.error
@@ -201,7 +269,7 @@ class Sharded:
 
 
 def _nothing() -> None:
-    """A shard's load given up ends with nothing to hand back."""
+    """A shard's move given up ends with nothing to hand back."""
 
 
 def sharded_transfer(
@@ -211,10 +279,14 @@ def sharded_transfer(
     register: Register,
     plan: ShardPlan,
     *,
+    staging_blocks: int | None = None,
     deadlines: bool = False,
     memory: HostMemory | None = None,
 ) -> Sharded:
     """One transfer per head shard the rank holds, memory registered once.
+
+    Each shard's transfer is `open_transfer`'s, with `staging_blocks`
+    (None: host caches zero copy), `deadlines` and `memory`.
 
     Raises:
         ConfigError: (``store_tp_size``) the KV blocks are not head-major.
@@ -231,6 +303,7 @@ def sharded_transfer(
                     regions,
                     register=register,
                     heads=heads,
+                    staging_blocks=staging_blocks,
                     deadlines=deadlines,
                     memory=memory,
                 )
@@ -250,6 +323,7 @@ def group_lane(
     plan: ShardPlan,
     keys: Any,
     block_bytes: int,
+    staging_blocks: int | None = None,
     deadlines: bool = False,
     memory: HostMemory | None = None,
 ) -> Lane:
@@ -257,14 +331,20 @@ def group_lane(
 
     Head-sharded: one transfer per head shard the rank holds, `keys`
     shard-major (`connector.parallel.ShardKeys`).  Per rank: one transfer
-    and the rank's scheme.  A replica rank's lane does not write.  With
-    `deadlines`, remote loads land in staging memory first (`open_transfer`);
-    with `memory` (a dummy client's), every block is staged in it.
+    and the rank's scheme.  With `staging_blocks` (layer-wise saves),
+    host caches are staged too, in that many blocks, so saves can follow
+    the forward layer by layer.  A replica rank's lane does not write:
+    its saves read no KV, so it is never staged for them (its loads stay
+    zero copy on host caches).  With `deadlines`, remote loads land in
+    staging memory first (`open_transfer`); with `memory` (a dummy
+    client's), every block is staged in it.
 
     Raises:
         ConfigError: (``store_tp_size``) the KV blocks are not head-major.
     """
     transfer: Transfer
+    if not plan.writes:
+        staging_blocks = None
     if plan.shared:
         transfer = sharded_transfer(
             kv_caches,
@@ -272,6 +352,7 @@ def group_lane(
             regions,
             register,
             plan,
+            staging_blocks=staging_blocks,
             deadlines=deadlines,
             memory=memory,
         )
@@ -281,6 +362,7 @@ def group_lane(
             num_blocks,
             regions,
             register=register,
+            staging_blocks=staging_blocks,
             deadlines=deadlines,
             memory=memory,
         )

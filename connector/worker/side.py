@@ -393,7 +393,7 @@ class WorkerSide:
 
         With `layerwise_saves`, the first layer of a step with pinned
         saves queues them now, each lane's fence filled layer by layer
-        (`Staged.layer_waits`), so their gathers follow the forward.
+        (`LayerWise.layer_waits`), so their gathers follow the forward.
         """
         if self.layerwise_saves and meta is not None:
             self._queue_saves_early(meta)
@@ -401,13 +401,20 @@ class WorkerSide:
             lane.transfer.layer_written(layer_name)
 
     def _queue_saves_early(self, meta: ConnectorMeta) -> None:
-        """Queue `meta`'s pinned saves with per-layer fences, once."""
+        """Queue `meta`'s pinned saves with per-layer fences, once.
+
+        Only when every lane that writes can save layer by layer
+        (`Transfer.waits_by_layer`: staged, head shards included); a
+        replica's lane puts nothing, so it never holds the step back.
+        """
         if self._closed or meta.step <= self._early_step:
             return  # this step's layers after its first
         self._early_step = meta.step
         if meta.step <= self._save_step:
             return
-        if not all(hasattr(ln.transfer, "layer_waits") for ln in self.lanes):
+        if not all(
+            ln.transfer.waits_by_layer for ln in self.lanes if ln.writes
+        ):
             return  # zero copy: nothing to stage before the forward ends
         jobs = [j for j in meta.jobs if j.kind is JobKind.SAVE and j.pinned]
         if not jobs:
@@ -415,7 +422,11 @@ class WorkerSide:
         self._accept_meta(meta)
         self._save_step = meta.step
         lanes = self._lanes_for(meta)
-        fence = tuple(lane.transfer.layer_waits() for lane in lanes)
+        # A replica's lane reads no KV on a save: no fence to fill.
+        fence = tuple(
+            lane.transfer.layer_waits() if lane.writes else ()
+            for lane in lanes
+        )
         for job in jobs:
             self._early_saves.add(job.job_id)
             if self._accept(job):

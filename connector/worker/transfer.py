@@ -36,7 +36,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 import attrs
 
@@ -234,6 +234,16 @@ class Transfer(Protocol):
     def registered(self) -> tuple[int, ...]:
         """Addresses registered with the store (to unregister)."""
 
+    @property
+    def waits_by_layer(self) -> bool:
+        """Whether a save can follow the forward layer by layer.
+
+        True: the transfer is a `LayerWise` one, whose `layer_waits`
+        fence lets a save queued mid-forward gather each layer as soon as
+        it is written.  False: a save reads every layer at once (zero
+        copy), so queueing it before the forward ends gains nothing.
+        """
+
     def layer_written(self, layer: str) -> None:
         """The forward wrote `layer`'s KV for this step (`save_kv_layer`)."""
 
@@ -261,6 +271,24 @@ class Transfer(Protocol):
         A block that did not arrive by `deadline` reads False, and
         nothing of it is written later.
         """
+
+
+@runtime_checkable
+class LayerWise(Transfer, Protocol):
+    """A transfer whose saves can follow the forward layer by layer.
+
+    `layer_waits` and `drop_layer_waits` run on the forward's thread;
+    the fence `layer_waits` returns goes to `save` like `fence`'s.
+    """
+
+    def layer_waits(self) -> SaveWaits:
+        """This step's save fence, filled as `layer_written` reports.
+
+        `fence` closes it (a layer never reported gets the step's mark).
+        """
+
+    def drop_layer_waits(self) -> None:
+        """Fail a save still waiting on this step's layers."""
 
 
 class Direct:
@@ -301,6 +329,11 @@ class Direct:
         """Addresses registered for the layout and the load staging."""
         staged = self.loads.registered if self.loads is not None else ()
         return self._registered + staged
+
+    @property
+    def waits_by_layer(self) -> bool:
+        """False: the put reads every layer straight from the KV cache."""
+        return False
 
     def layer_written(self, layer: str) -> None:
         """Nothing: host compute is done when the hook runs."""
@@ -574,6 +607,11 @@ class Staged:
     def ops(self) -> tuple[DeviceOps, DeviceOps]:
         """The (load, save) lanes' device ops."""
         return self.loads.ops, self._saves.ops
+
+    @property
+    def waits_by_layer(self) -> bool:
+        """True: a save gathers each layer once `layer_waits` has it."""
+        return True
 
     # -- ordering (forward thread) ------------------------------------------
 

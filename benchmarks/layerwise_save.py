@@ -19,6 +19,12 @@ written for the prompt's blocks, ``save_kv_layer``; then
   layer is gathered into staging as its ``save_kv_layer`` runs; the put
   starts once the last layer is in.
 
+With ``--shards N`` the KV is head-major and stored head-sharded (the
+``store_tp_size`` layout: N objects per block, one per slice of the KV
+heads; this worker holds all N, as a rank of a smaller TP size does):
+each set-up's lane is `connector.worker.shards.group_lane`'s, and a
+layer-wise save gathers the shards side by side.
+
 Per set-up, medians over ``--reps``: ``forward_ms`` (first layer to the
 end of ``wait_for_save``) and ``save_tail_ms`` (end of ``wait_for_save``
 to the save job's completion, polled every 0.2 ms as a runner would),
@@ -46,9 +52,12 @@ import torch
 from connector.config import MiB
 from connector.metadata import ConnectorMeta, JobKind, TransferJob
 from connector.ops.master import EmbeddedMaster, store_config_for
+from connector.parallel import ShardKeys, TPPlan
 from connector.store import Regions, StoreClient
 from connector.store.keys import KeyLayout, KeyScheme
+from connector.worker.shards import group_lane
 from connector.worker.side import WorkerSide
+from connector.worker.transfer import KVLayout
 
 LAYERS = 32
 KV_HEADS = 8
@@ -63,12 +72,24 @@ class Bench:
     """One prefill's KV and a worker per set-up over it."""
 
     def __init__(
-        self, client: StoreClient, *, layers: int, heads: int, tokens: int
+        self,
+        client: StoreClient,
+        *,
+        layers: int,
+        heads: int,
+        tokens: int,
+        shards: int = 1,
     ) -> None:
         self.client = client
         self.blocks = tokens // BLOCK
         self.layers = layers
-        shape = (2, self.blocks, BLOCK, heads, HEAD_DIM)
+        self.heads = heads
+        self.shards = shards
+        shape = (
+            (2, self.blocks, BLOCK, heads, HEAD_DIM)
+            if shards == 1
+            else (2, self.blocks, heads, BLOCK, HEAD_DIM)  # head-major
+        )
         # int16: bf16's width, cheap to fill with exact values.
         self.kv = {
             f"model.layers.{i}.self_attn.attn": torch.zeros(
@@ -101,15 +122,36 @@ class Bench:
         self.step = 0
 
     def _worker(self, staging: int | None, layerwise: int) -> WorkerSide:
-        return WorkerSide.for_kv_caches(
-            self.client,
-            self.scheme,
+        if self.shards == 1:
+            return WorkerSide.for_kv_caches(
+                self.client,
+                self.scheme,
+                self.kv,
+                self.blocks,
+                Regions,
+                register=self.client.register,
+                staging_blocks=staging,
+                layerwise_save_blocks=layerwise,
+            )
+        plan = TPPlan(0, 1, num_kv_heads=self.heads, store_tp=self.shards)
+        lane = group_lane(
             self.kv,
             self.blocks,
             Regions,
             register=self.client.register,
+            plan=plan,
+            keys=ShardKeys(plan.schemes(self.scheme)),
+            block_bytes=self.block_bytes,
             staging_blocks=staging,
-            layerwise_save_blocks=layerwise,
+        )
+        return WorkerSide(
+            self.client,
+            lane.keys,
+            KVLayout.from_tensors(self.kv, self.blocks),
+            Regions,
+            transfer=lane.transfer,
+            lanes=[lane],
+            layerwise_saves=layerwise > 0,
         )
 
     def run(self, variant: str, layer_s: float) -> tuple[float, float]:
@@ -143,32 +185,47 @@ class Bench:
         if not all(r.ok for r in report.results):
             msg = f"{variant} save failed"
             raise RuntimeError(msg)
-        self._check(hashes)
+        self._check(w, hashes)
         w.start_load_kv(
             ConnectorMeta(step=self.step + 1, finished=frozenset({job.req_id}))
         )
         self.step += 1
-        self.client.remove(self.scheme.keys(list(hashes)), force=True)
+        self.client.remove(w.lanes[0].keys.keys(list(hashes)), force=True)
         return ended - started, done - ended
 
-    def _check(self, hashes: tuple[bytes, ...]) -> None:
-        """The first and last blocks hold the KV as the forward left it."""
-        keys = self.scheme.keys([hashes[0], hashes[-1]])
-        rows = torch.zeros((2, self.block_bytes), dtype=torch.uint8)
+    def _check(self, w: WorkerSide, hashes: tuple[bytes, ...]) -> None:
+        """The first and last blocks hold the KV as the forward left it.
+
+        Every store object of each: one, or one per head shard (its
+        slice of the heads, every layer).
+        """
+        ends = (0, self.blocks - 1)
+        keys = w.lanes[0].keys.keys([hashes[0], hashes[-1]])  # shard-major
+        size = self.block_bytes // self.shards
+        rows = torch.zeros((len(keys), size), dtype=torch.uint8)
         self.client.register_tensor(rows)
         try:
-            regions = Regions.blocks(rows.data_ptr(), self.block_bytes, [0, 1])
+            regions = Regions.blocks(
+                rows.data_ptr(), size, list(range(len(keys)))
+            )
             got = self.client.get(keys, regions).succeeded
         finally:
             self.client.unregister(rows.data_ptr())
-        want = torch.cat(
-            [
-                t[:, b].contiguous().view(torch.uint8).reshape(-1)
-                for b in (0, self.blocks - 1)
-                for t in self.kv.values()
-            ]
-        ).view(2, -1)
-        if got != [True, True] or not torch.equal(rows, want):
+        per = self.heads // self.shards
+        parts = []
+        for shard in range(self.shards):
+            for b in ends:
+                of_block = []
+                for t in self.kv.values():
+                    kv = t[:, b]
+                    if self.shards > 1:
+                        kv = kv[:, shard * per : (shard + 1) * per]
+                    of_block.append(
+                        kv.contiguous().view(torch.uint8).reshape(-1)
+                    )
+                parts.append(torch.cat(of_block))
+        want = torch.stack(parts)
+        if got != [True] * len(keys) or not torch.equal(rows, want):
             msg = "stored bytes differ from the KV the forward wrote"
             raise RuntimeError(msg)
 
@@ -218,6 +275,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 layers=args.layers,
                 heads=args.kv_heads,
                 tokens=args.tokens,
+                shards=args.shards,
             )
             try:
                 row = bench.measure(args.reps, args.layer_ms / 1e3)
@@ -232,6 +290,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tokens": args.tokens,
         "blocks": args.tokens // BLOCK,
         "layers": args.layers,
+        "shards": args.shards,
         "block_bytes": block_bytes,
         "layer_ms": args.layer_ms,
         "reps": args.reps,
@@ -250,7 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS)
     parser.add_argument("--layer-ms", type=float, default=4.0)
     parser.add_argument("--segment-mib", type=int, default=1024)
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="head shards per block (store_tp_size), all held here",
+    )
     args = parser.parse_args(argv)
+    if args.shards <= 0 or args.kv_heads % args.shards:
+        parser.error("--shards must divide --kv-heads")
     if args.tokens % BLOCK or args.tokens <= 0:
         parser.error(f"--tokens must be a positive multiple of {BLOCK}")
     logging.basicConfig(level=logging.WARNING)

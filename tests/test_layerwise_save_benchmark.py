@@ -14,12 +14,16 @@ from benchmarks import layerwise_save
 pytestmark = pytest.mark.mooncake
 
 
-def test_tiny_run_prints_sane_json(capsys, master_binary):
+@pytest.mark.parametrize(("heads", "shards"), [(1, 1), (2, 2)])
+def test_tiny_run_prints_sane_json(capsys, master_binary, heads, shards):
+    """One object per block, or one per head shard (each checked)."""
     argv = ["--json", "--reps", "2", "--tokens", "64", "--layers", "3"]
-    argv += ["--kv-heads", "1", "--layer-ms", "1", "--segment-mib", "64"]
+    argv += ["--kv-heads", str(heads), "--layer-ms", "1"]
+    argv += ["--segment-mib", "64", "--shards", str(shards)]
     assert layerwise_save.main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["blocks"] == 4
+    assert doc["shards"] == shards
     for key in ("forward_ms", "save_tail_ms", "tail_vs_staged"):
         assert set(doc[key]) == set(layerwise_save.VARIANTS)
         assert all(v > 0 for v in doc[key].values())
@@ -29,3 +33,5 @@ def test_tiny_run_prints_sane_json(capsys, master_binary):
 def test_tokens_must_fill_blocks():
     with pytest.raises(SystemExit):
         layerwise_save.main(["--tokens", "30"])
+    with pytest.raises(SystemExit):
+        layerwise_save.main(["--kv-heads", "8", "--shards", "3"])

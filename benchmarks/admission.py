@@ -648,9 +648,15 @@ def outage(  # noqa: PLR0915 - one timed scenario, top to bottom
     tail_s: float,
     forward_s: float,
     fault: str = "kill",
+    mode: str = "ours",
+    wait_ms: float = WAIT_MS,
 ) -> dict[str, Any]:
     """Ours with the master killed, SIGSTOPped or blackholed mid-run
-    (`fault` ``kill``, ``pause``, ``blackhole``), then back."""
+    (`fault` ``kill``, ``pause``, ``blackhole``), then back.
+
+    `mode` ``waited``: with layer-wise loads and a lookup wait budget of
+    `wait_ms` (what a hung master may cost a step).
+    """
     from connector.ops.master import EmbeddedMaster  # noqa: PLC0415
     from connector.store import clients  # noqa: PLC0415
 
@@ -675,7 +681,14 @@ def outage(  # noqa: PLR0915 - one timed scenario, top to bottom
                 hole.restore if hole else None,
             ),
         }[fault]
-        run = Run("ours", seen_as, tmp, capacity=256, forward_s=forward_s)
+        run = Run(
+            mode,
+            seen_as,
+            tmp,
+            capacity=256,
+            forward_s=forward_s,
+            wait_ms=wait_ms,
+        )
         added, restarted, finished = 0, False, 0
         step_ms: list[float] = []
         cpu_ms: list[float] = []
@@ -727,7 +740,7 @@ def outage(  # noqa: PLR0915 - one timed scenario, top to bottom
             writer.close()
             clients.close_all()  # before the master stops
     return {
-        "mode": "ours",
+        "mode": mode,
         "fault": fault,
         "max_connector_ms_in_a_step": round(max(step_ms), 3),
         "connector_ms_p99": round(percentile(step_ms, 99), 3),
@@ -853,8 +866,13 @@ def run_all(
     forward_s: float,
     tail_s: float = TAIL_S,
     wait_ms: float = WAIT_MS,
+    outage_mode: str = "ours",
+    faults: tuple[str, ...] = ("kill", "pause", "blackhole"),
 ) -> dict[str, Any]:
-    """Every (burst, mode), then the outage run; the JSON document."""
+    """Every (burst, mode), then the outage runs; the JSON document.
+
+    One outage run per fault of `faults`, in `outage_mode`.
+    """
     from connector.ops.master import EmbeddedMaster  # noqa: PLC0415
     from connector.store import clients  # noqa: PLC0415
 
@@ -897,17 +915,11 @@ def run_all(
             clients.close_all()
         doc: dict[str, Any] = {"results": results}
         if with_outage:
-            doc["outage"] = outage(
-                tmp,
-                kill_at_s=1.0,
-                down_s=down_s,
-                tail_s=tail_s,
-                forward_s=forward_s,
-            )
-            for key, fault in (
-                ("outage_sigstop", "pause"),
-                ("outage_blackhole", "blackhole"),
+            for key, fault in zip(
+                OUTAGE_RUNS, ("kill", "pause", "blackhole"), strict=True
             ):
+                if fault not in faults:
+                    continue
                 doc[key] = outage(
                     tmp,
                     kill_at_s=1.0,
@@ -915,6 +927,8 @@ def run_all(
                     tail_s=tail_s,
                     forward_s=forward_s,
                     fault=fault,
+                    mode=outage_mode,
+                    wait_ms=wait_ms,
                 )
     goal = _step_goals(results)
     runs = [doc[k] for k in OUTAGE_RUNS if k in doc]
@@ -975,7 +989,21 @@ def main(argv: list[str] | None = None) -> int:
         default=WAIT_MS,
         help="lookup_wait_ms of the waited mode",
     )
+    parser.add_argument(
+        "--outage-mode",
+        choices=("ours", WAITED),
+        default="ours",
+        help="the set-up of the outage runs (waited: with lookup_wait_ms)",
+    )
+    parser.add_argument(
+        "--faults",
+        default="kill,pause,blackhole",
+        help="the outage runs' master faults (comma-separated)",
+    )
     args = parser.parse_args(argv)
+    faults = tuple(f for f in args.faults.split(",") if f)
+    if set(faults) - {"kill", "pause", "blackhole"} or not faults:
+        parser.error(f"unknown faults: {args.faults}")
     modes = tuple(m for m in args.modes.split(",") if m)
     unknown = set(modes) - {*MODES, LAYERWISE, WAITED, NODE_POOL, DUMMY_POOL}
     if unknown:
@@ -990,6 +1018,8 @@ def main(argv: list[str] | None = None) -> int:
         forward_s=args.forward_ms / 1e3,
         tail_s=args.tail_s,
         wait_ms=args.wait_ms,
+        outage_mode=args.outage_mode,
+        faults=faults,
     )
     if args.json:
         print(json.dumps(doc))

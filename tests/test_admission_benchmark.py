@@ -68,6 +68,26 @@ def test_node_pool_mode_hits_blocks_that_live_in_the_pool(
 def test_unknown_mode_is_rejected():
     with pytest.raises(SystemExit):
         admission.main(["--modes", "ours,bogus"])
+    with pytest.raises(SystemExit):
+        admission.main(["--faults", "kill,flood"])
+
+
+def test_an_outage_in_the_waited_mode(capsys, master_binary):
+    """``--outage-mode waited --faults kill``: one outage run, with a
+    lookup wait budget, every request finished after the restart."""
+    argv = ["--json", "--arrivals", "4", "--repeats", "1", "--modes", ""]
+    argv += ["--down-s", "0.5", "--tail-s", "1.0", "--forward-ms", "0"]
+    argv += ["--outage-mode", "waited", "--faults", "kill"]
+
+    assert admission.main(argv) == 0
+
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["results"] == []
+    assert [k for k in admission.OUTAGE_RUNS if k in doc] == ["outage"]
+    run = doc["outage"]
+    assert (run["mode"], run["fault"]) == ("waited", "kill")
+    assert run["master_restarted"]
+    assert run["requests_finished"] == run["requests"] > 0
 
 
 def test_waited_mode_admits_in_the_arrival_step(capsys, master_binary):

@@ -345,6 +345,29 @@ def test_head_shards_save_layerwise_before_wait_for_save(
     assert (w.jobs_done[SAVE], w.jobs_failed[SAVE]) == (1, 0)
 
 
+def test_shutdown_stops_the_shard_runner_threads(make_sharded, job):
+    """The threads a side-by-side save started end at shutdown."""
+    import threading  # noqa: PLC0415
+
+    before = set(threading.enumerate())
+    kv = _sharded_kv()
+    w = make_sharded(kv)
+    save = job(1, SAVE, "r", 0, [0, 2], ["a", "b"])
+    meta = ConnectorMeta(step=1, jobs=(save,))
+    _sharded_forward(w, kv, meta)
+    assert [JobResult(1, ok=1)] == _results_before_wait_for_save(w, 1)
+    started = [
+        t
+        for t in set(threading.enumerate()) - before
+        if t.name.startswith("kv-lifecycle-shard")
+    ]
+    assert started  # the second shard saved on a runner thread
+    assert w.shutdown()
+    for thread in started:
+        thread.join(2.0)
+    assert not [t.name for t in started if t.is_alive()]
+
+
 def test_every_head_shard_gathers_while_the_forward_runs(make_sharded, job):
     """Each shard's gather follows the forward layer by layer, side by
     side: before the last layer is reported, both shards gathered every

@@ -135,6 +135,14 @@ class Sharded:
             if isinstance(part, LayerWise):
                 part.drop_layer_waits()
 
+    def close(self) -> None:
+        """Stop the side-by-side moves' idle runner threads.
+
+        A later move starts new ones.
+        """
+        if self._runners is not None:
+            self._runners.close()
+
     def fence(self) -> CopyWaits:
         """One fence per shard."""
         return tuple(part.fence() for part in self.parts)

@@ -656,6 +656,10 @@ class WorkerSide:
         stopped = self._late_gets_done(deadline) and stopped
         for staging in self._stagings():
             staging.close()
+        for lane in self.lanes:
+            close = getattr(lane.transfer, "close", None)
+            if close is not None:  # head shards' runner threads
+                close()
         if not stopped:
             log.warning(
                 "transfer threads still running after %.1f s; abandoned "

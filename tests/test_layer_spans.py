@@ -101,18 +101,27 @@ def test_one_layer_or_a_split_layer_reads_whole():
 
 
 class _Held:
-    """The reader, its spans from `first_held` on told only once released."""
+    """The reader, its spans from `first_held` on told only once released.
 
-    def __init__(self, store, first_held=1):
+    With `only`, only get sessions whose every key starts with it are
+    held (one head shard's objects).
+    """
+
+    def __init__(self, store, first_held=1, only=None):
         self.store = store
         self.first_held = first_held
+        self.only = only
         self.release = threading.Event()
         self.told: list[int] = []
+        self.sessions = 0
         self.reads_spans = True
 
     def get_spans(self, keys, ptrs, spans, landed):
+        self.sessions += 1
+        hold = self.only is None or all(k.startswith(self.only) for k in keys)
+
         def held(index, ok):
-            if index >= self.first_held:
+            if hold and index >= self.first_held:
                 self.release.wait(10)
             self.told.append(index)
             return landed(index, ok)
@@ -361,35 +370,6 @@ def test_a_layer_lands_once_every_writer_wrote_it():
     assert not deadline.begin_write()
 
 
-class _HeldKeys:
-    """The reader; spans of keys starting with `held` told once released."""
-
-    def __init__(self, store, held, first_held=0):
-        self.store = store
-        self.held = held
-        self.first_held = first_held
-        self.release = threading.Event()
-        self.reads_spans = True
-        self.sessions = 0
-
-    def get_spans(self, keys, ptrs, spans, landed):
-        self.sessions += 1
-        hold = all(k.startswith(self.held) for k in keys)
-
-        def told(index, ok):
-            if hold and index >= self.first_held:
-                self.release.wait(10)
-            return landed(index, ok)
-
-        return self.store.get_spans(keys, ptrs, spans, told)
-
-    def get(self, keys, regions):
-        return self.store.get(keys, regions)
-
-    def local_reads(self, keys):
-        return self.store.local_reads(keys)
-
-
 def _sharded(client, kv, made):
     from connector.store import Regions  # noqa: PLC0415
     from connector.worker.pieces import HeadSlice  # noqa: PLC0415
@@ -443,7 +423,7 @@ def test_a_head_sharded_layer_waits_for_every_shard(
     dst = _kv()
     target = sharded_opened(reader, dst)
     prefix = unique if held == "both" else f"{unique}-b"
-    store = _HeldKeys(reader, prefix, first_held=1 if held == "both" else 0)
+    store = _Held(reader, first_held=1 if held == "both" else 0, only=prefix)
     deadline = Deadline.after(10, by_layer=True)
     out: list[list[bool]] = []
     loader = threading.Thread(

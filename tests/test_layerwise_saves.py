@@ -80,14 +80,15 @@ def job(unique):
     return JobMaker(unique)
 
 
-def _forward(w, kv, meta, *, pause_s=0.0, layers=range(LAYERS)):
-    """The runner's hooks of one step, writing each layer's KV first."""
+def _forward(w, kv, meta, *, pause_s=0.0, layers=range(LAYERS), write=None):
+    """The runner's hooks of one step, writing each layer's KV first
+    (with `write`, default `_write`)."""
     w.handle_preemptions(meta)
     w.start_load_kv(meta)
     for layer in layers:
         w.wait_for_layer_load(f"l{layer}")
         time.sleep(pause_s)
-        _write(kv, layer, meta.step)
+        (write or _write)(kv, layer, meta.step)
         w.save_kv_layer(f"l{layer}", meta)
 
 
@@ -191,21 +192,6 @@ def test_zero_copy_saves_after_the_forward(make, job, store_client):
     assert [JobResult(1, ok=1)] == settle(w, 1)[1]
 
 
-def test_shutdown_mid_forward_fails_the_waiting_save(make, job):
-    """A save waiting for a layer the forward never ends: shutdown stops
-    it at once, reported failed (its blocks are unpinned)."""
-    kv = _kv()
-    w = make(kv)
-    save = job(1, SAVE, "r", 0, [0, 1], ["a", "b"])
-    meta = ConnectorMeta(step=1, jobs=(save,))
-    _forward(w, kv, meta, layers=[0])
-    time.sleep(0.05)
-    started = time.monotonic()
-    assert w.shutdown(timeout=5)
-    assert time.monotonic() - started < 2
-    assert w.jobs_failed[SAVE] == 1
-
-
 # -- head-sharded lanes (``store_tp_size``) ---------------------------------
 
 HEADS = 4
@@ -282,14 +268,9 @@ def make_sharded(store_client, unique, workers):
     return _make
 
 
-def _sharded_forward(w, kv, meta, *, pause_s=0.0, layers=range(LAYERS)):
-    w.handle_preemptions(meta)
-    w.start_load_kv(meta)
-    for layer in layers:
-        w.wait_for_layer_load(f"l{layer}")
-        time.sleep(pause_s)
-        _write_heads(kv, layer, meta.step)
-        w.save_kv_layer(f"l{layer}", meta)
+def _sharded_forward(w, kv, meta, **kw):
+    """`_forward` writing every head its own KV (`_write_heads`)."""
+    _forward(w, kv, meta, write=_write_heads, **kw)
 
 
 def _assert_shards_stored(client, w, job_, kv):
@@ -390,16 +371,18 @@ def test_every_head_shard_gathers_while_the_forward_runs(make_sharded, job):
     w.wait_for_save(meta)
 
 
-def test_head_shards_shutdown_mid_forward_fails_the_waiting_save(
-    make_sharded, job
-):
-    """A head-sharded save waiting for a layer the forward never ends:
-    shutdown drops every shard's fence, the save is reported failed."""
-    kv = _sharded_kv()
-    w = make_sharded(kv)
+@pytest.mark.parametrize("layout", ["one object", "head shards"])
+def test_shutdown_mid_forward_fails_the_waiting_save(layout, request, job):
+    """A save waiting for a layer the forward never ends: shutdown stops
+    it at once (every head shard's fence dropped), reported failed (its
+    blocks are unpinned)."""
+    sharded = layout == "head shards"
+    kv = _sharded_kv() if sharded else _kv()
+    w = request.getfixturevalue("make_sharded" if sharded else "make")(kv)
     save = job(1, SAVE, "r", 0, [0, 1], ["a", "b"])
     meta = ConnectorMeta(step=1, jobs=(save,))
-    _sharded_forward(w, kv, meta, layers=[0])
+    forward = _sharded_forward if sharded else _forward
+    forward(w, kv, meta, layers=[0])
     time.sleep(0.05)
     started = time.monotonic()
     assert w.shutdown(timeout=5)

@@ -262,6 +262,53 @@ class Runners:
             self._queue.put(None)
 
 
+JOIN_GRACE_S: Final = 1.0
+"""How long past a load's deadline the moves run beside it are waited for
+(each is bounded by the deadline; this covers a span's copy begun)."""
+
+
+def side_by_side(
+    runners: Runners,
+    moves: Sequence[Callable[[], list[bool]]],
+    sizes: Sequence[int],
+    *,
+    bound: Deadline | None = None,
+) -> list[list[bool]]:
+    """Run every move at once; per move its flags (`sizes`: how many).
+
+    The first runs on the calling thread, the others on `runners`.
+    Every one has ended before this returns (none still moves blocks
+    the caller reports on), or with `bound`, passed it by `JOIN_GRACE_S`
+    (a move that long late reads all False; a load is bounded by its
+    deadline).  Then the first error, if any, is raised.
+    """
+    calls = [Call(move, _nothing) for move in moves[1:]]
+    for call in calls:
+        runners.submit(call)
+    error: BaseException | None = None
+    try:
+        got = [moves[0]()]
+    except BaseException as exc:  # noqa: BLE001 - raised below
+        error, got = exc, [[False] * sizes[0]]
+    for call, size in zip(calls, sizes[1:], strict=True):
+        if bound is None:
+            call.done.wait()
+        if not call.settle(
+            0.0 if bound is None else bound.left() + JOIN_GRACE_S
+        ):
+            got.append([False] * size)
+            continue
+        error = error or call.error
+        got.append(call.result or [False] * size)
+    if error is not None:
+        raise error
+    return got
+
+
+def _nothing() -> None:
+    """A move given up ends with nothing to hand back."""
+
+
 @attrs.frozen
 class LayerSpan:
     """Consecutive layers a layer-wise load reads in one ranged read.

@@ -9,10 +9,10 @@ transfer each.  No vLLM import.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from connector.errors import ConfigError
-from connector.worker.deadline import Call, Deadline, Runners
+from connector.worker.deadline import Deadline, Runners, side_by_side
 from connector.worker.lanes import Lane
 from connector.worker.pieces import (
     BlockStore,
@@ -43,11 +43,6 @@ __all__ = [
     "head_pieces",
     "sharded_transfer",
 ]
-
-JOIN_GRACE_S: Final = 1.0
-"""How long past a layer-wise load's deadline its shards are waited for
-(each shard's load is bounded by the deadline; this covers the copy of a
-span already begun)."""
 
 
 class ShardPlan(Protocol):
@@ -242,42 +237,15 @@ class Sharded:
         *,
         bound: Deadline | None = None,
     ) -> list[list[bool]]:
-        """Run every shard's move at once; per shard its `count` flags.
+        """Every shard's move at once (`side_by_side`).
 
-        The first runs here, the others on runner threads.  Every one has
-        ended before this returns (none still moves blocks the caller
-        reports on), or with `bound`, passed it by `JOIN_GRACE_S` (a
-        move that long late reads failed; each load is bounded by its
-        deadline).  Then the first error, if any, is raised.
+        On this transfer's runner threads, made on first use.
         """
         if self._runners is None:
             self._runners = Runners("kv-lifecycle-shard")
-        calls = [Call(move, _nothing) for move in moves[1:]]
-        for call in calls:
-            self._runners.submit(call)
-        failed = [False] * count
-        error: BaseException | None = None
-        try:
-            got = [moves[0]()]
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            error, got = exc, [failed]
-        for call in calls:
-            if bound is None:
-                call.done.wait()
-            if not call.settle(
-                0.0 if bound is None else bound.left() + JOIN_GRACE_S
-            ):
-                got.append(failed)
-                continue
-            error = error or call.error
-            got.append(call.result or failed)
-        if error is not None:
-            raise error
-        return got
-
-
-def _nothing() -> None:
-    """A shard's move given up ends with nothing to hand back."""
+        return side_by_side(
+            self._runners, moves, [count] * len(moves), bound=bound
+        )
 
 
 def sharded_transfer(

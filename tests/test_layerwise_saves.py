@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from connector.metadata import ConnectorMeta, JobKind, JobResult
+from connector.metadata import ConnectorMeta, JobKind, JobResult, TransferJob
 from connector.parallel import ShardKeys, TPPlan
 from connector.store import Regions
 from connector.store.keys import KeyLayout, KeyScheme
@@ -423,3 +423,104 @@ def test_a_replica_lane_is_not_staged_and_holds_nothing_back(
     keys = lane.keys.keys(save.block_hashes)
     assert read_back(store_client, keys, lane.block_bytes)[0] == [False]
     w.wait_for_save(meta)
+
+
+# -- hybrid lanes: one per KV cache group --------------------------------
+
+#: Group 0 holds layers 0 and 3, group 1 layers 1 and 2: group 0's last
+#: layer is the forward's last, so one after another group 1's gather
+#: would start only after the forward.
+GROUPS = ((0, 3), (1, 2))
+
+
+@pytest.fixture
+def make_groups(store_client, unique, workers):
+    """A worker with one staged lane per KV cache group (`GROUPS`)."""
+
+    def _make(kv):
+        lanes = []
+        for g, layers in enumerate(GROUPS):
+            group_kv = {f"l{i}": kv[f"l{i}"] for i in layers}
+            block_bytes = sum(t[0].numel() * 4 for t in group_kv.values())
+            scheme = KeyScheme(
+                namespace=unique,
+                model="m",
+                tp_rank=0,
+                tp_size=1,
+                layout=KeyLayout(
+                    "float32",
+                    block_tokens=TOKENS,
+                    block_bytes=block_bytes,
+                    detail=f"g{g}",
+                ),
+            )
+            lanes.append(
+                group_lane(
+                    group_kv,
+                    NUM_BLOCKS,
+                    Regions,
+                    register=store_client.register,
+                    plan=TPPlan(),
+                    keys=scheme,
+                    block_bytes=block_bytes,
+                    staging_blocks=4,
+                )
+            )
+        return workers.add(
+            WorkerSide(
+                store_client,
+                lanes[0].keys,
+                KVLayout.from_tensors(kv, NUM_BLOCKS),
+                Regions,
+                transfer=lanes[0].transfer,
+                lanes=lanes,
+                layerwise_saves=True,
+            )
+        )
+
+    return _make
+
+
+def test_every_group_gathers_while_the_forward_runs(
+    make_groups, unique, store_client
+):
+    """A hybrid save's groups follow the forward side by side: with
+    every layer but the last reported (group 0's), group 1 gathered both
+    of its layers and put them; one after another it would have gathered
+    none.  Every group's objects hold the final KV."""
+    kv = _kv()
+    w = make_groups(kv)
+    save = TransferJob(
+        job_id=1,
+        kind=SAVE,
+        req_id="r",
+        epoch=0,
+        block_ids=(0, 2, 0, 2),
+        block_hashes=tuple(f"{unique}/{h}".encode() for h in "abab"),
+        pinned=True,
+        group_ids=(0, 0, 1, 1),
+    )
+    meta = ConnectorMeta(step=1, jobs=(save,))
+    _forward(w, kv, meta, layers=range(LAYERS - 1))
+    gathered = [lane.transfer.ops[1] for lane in w.lanes]
+    end = time.monotonic() + 5
+    while gathered[1].waits < 2 and time.monotonic() < end:
+        time.sleep(0.005)
+    assert [ops.waits for ops in gathered] == [1, 2]
+    assert _results_before_wait_for_save(w, 1, timeout=0.1) == []
+    _write(kv, LAYERS - 1, 1)
+    w.save_kv_layer(f"l{LAYERS - 1}", meta)
+    assert [JobResult(1, ok=1)] == _results_before_wait_for_save(w, 1)
+    w.wait_for_save(meta)
+    for g, layers in enumerate(GROUPS):
+        keys = w.lanes[g].keys.keys(list(save.block_hashes[:2]))
+        want = [
+            torch.cat(
+                [kv[f"l{i}"][b].contiguous().view(torch.uint8).reshape(-1)
+                 for i in layers]
+            )
+            for b in (0, 2)
+        ]  # fmt: skip
+        got, rows = read_back(store_client, keys, want[0].numel())
+        assert got == [True, True]
+        assert all(torch.equal(r, x) for r, x in zip(rows, want, strict=True))

@@ -8,6 +8,7 @@ model with one group has one lane.  No vLLM import.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,8 @@ import attrs
 
 from connector.groups import NULL_BLOCK
 from connector.metadata import JobKind, TransferJob
+from connector.worker.deadline import Runners, side_by_side
+from connector.worker.transfer import LayerWaits
 
 if TYPE_CHECKING:
     from connector.worker.deadline import Deadline
@@ -47,12 +50,17 @@ def move_blocks(
     job: TransferJob,
     fences: Sequence[Any],
     deadline: Deadline | None = None,
+    *,
+    runners: Runners | None = None,
 ) -> list[bool]:
     """Run `job` group by group; one success flag per (group, block).
 
     A load's blocks not in by `deadline` fail.  A hybrid load's pair
     naming vLLM's null block never moves: it reads as failed (a load
-    into it would be a hit whose KV, or state, nobody restored).
+    into it would be a hit whose KV, or state, nobody restored).  A
+    layer-wise save of several groups (their fences filled layer by
+    layer) moves them side by side on `runners`, so each group's gather
+    follows the forward, not only the first group's.
     """
     flags = [False] * len(job.block_ids)
     positions: dict[int, list[int]] = {}
@@ -60,6 +68,8 @@ def move_blocks(
     for pos, group in enumerate(job.groups()):
         if not (hybrid_load and job.block_ids[pos] == NULL_BLOCK):
             positions.setdefault(group, []).append(pos)
+    moves = []
+    wheres = []
     for group, where in positions.items():
         lane = lanes[group]
         if job.kind is JobKind.SAVE and not lane.writes:
@@ -69,9 +79,37 @@ def move_blocks(
         keys = lane.keys.keys([job.block_hashes[p] for p in where])
         ids = [job.block_ids[p] for p in where]
         if job.kind is JobKind.LOAD:
-            got = lane.transfer.load(store, keys, ids, deadline)
+            move = functools.partial(
+                lane.transfer.load, store, keys, ids, deadline
+            )
         else:
-            got = lane.transfer.save(store, keys, ids, fences[group])
-        for pos, ok in zip(where, got, strict=True):
+            move = functools.partial(
+                lane.transfer.save, store, keys, ids, fences[group]
+            )
+        moves.append(move)
+        wheres.append(where)
+    together = (
+        job.kind is JobKind.SAVE
+        and len(moves) > 1
+        and any(_by_layer(fences[group]) for group in positions)
+    )
+    if together and runners is not None:
+        got = side_by_side(runners, moves, [len(w) for w in wheres])
+    else:
+        got = [move() for move in moves]
+    for where, per_group in zip(wheres, got, strict=True):
+        for pos, ok in zip(where, per_group, strict=True):
             flags[pos] = ok
     return flags
+
+
+def _by_layer(fence: Any) -> bool:
+    """Whether a lane's save fence is filled layer by layer.
+
+    A head-sharded lane's fence holds one per shard.
+    """
+    if isinstance(fence, LayerWaits):
+        return True
+    return isinstance(fence, tuple) and any(
+        isinstance(f, LayerWaits) for f in fence
+    )

@@ -68,7 +68,7 @@ from connector.metadata import (
     TransferJob,
     WorkerReport,
 )
-from connector.worker.deadline import Deadline
+from connector.worker.deadline import Deadline, Runners
 from connector.worker.lanes import Lane, move_blocks
 from connector.worker.pieces import (
     BatchOutcome,
@@ -221,6 +221,8 @@ class WorkerSide:
     ) -> None:
         self._store = store
         self.layerwise_saves = layerwise_saves
+        #: Runs a layer-wise save's groups side by side (`move_blocks`).
+        self._lane_runners = Runners("kv-lifecycle-lanes")
         # Save jobs queued early this step by `save_kv_layer` (forward
         # thread); `wait_for_save` queues the rest.
         self._early_saves: set[int] = set()
@@ -656,6 +658,7 @@ class WorkerSide:
         stopped = self._late_gets_done(deadline) and stopped
         for staging in self._stagings():
             staging.close()
+        self._lane_runners.close()
         for lane in self.lanes:
             close = getattr(lane.transfer, "close", None)
             if close is not None:  # head shards' runner threads
@@ -937,7 +940,14 @@ class WorkerSide:
         failed: frozenset[int] = frozenset()
         try:
             lanes = self.lanes if lanes is None else lanes
-            flags = move_blocks(lanes, self._store, job, fence, deadline)
+            flags = move_blocks(
+                lanes,
+                self._store,
+                job,
+                fence,
+                deadline,
+                runners=self._lane_runners,
+            )
             self._count_moved(job, flags)
             failed = frozenset(
                 b for b, ok in zip(job.block_ids, flags, strict=True) if not ok

@@ -23,7 +23,10 @@ With ``--shards N`` the KV is head-major and stored head-sharded (the
 ``store_tp_size`` layout: N objects per block, one per slice of the KV
 heads; this worker holds all N, as a rank of a smaller TP size does):
 each set-up's lane is `connector.worker.shards.group_lane`'s, and a
-layer-wise save gathers the shards side by side.
+layer-wise save gathers the shards side by side.  With ``--groups G``
+the layers are dealt round-robin to G KV cache groups (a hybrid model:
+one lane and one store object per group and block, each save job listing
+(group, block) pairs); a layer-wise save gathers the groups side by side.
 
 Per set-up, medians over ``--reps``: ``forward_ms`` (first layer to the
 end of ``wait_for_save``) and ``save_tail_ms`` (end of ``wait_for_save``
@@ -47,6 +50,7 @@ from typing import Any
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
+import attrs
 import torch
 
 from connector.config import MiB
@@ -79,12 +83,14 @@ class Bench:
         heads: int,
         tokens: int,
         shards: int = 1,
+        groups: int = 1,
     ) -> None:
         self.client = client
         self.blocks = tokens // BLOCK
         self.layers = layers
         self.heads = heads
         self.shards = shards
+        self.groups = groups
         shape = (
             (2, self.blocks, BLOCK, heads, HEAD_DIM)
             if shards == 1
@@ -121,8 +127,13 @@ class Bench:
         self.job_id = 0
         self.step = 0
 
+    def _group_layers(self, group: int) -> dict[str, torch.Tensor]:
+        """The layers of KV cache group `group` (dealt round-robin)."""
+        names = list(self.kv)[group :: self.groups]
+        return {name: self.kv[name] for name in names}
+
     def _worker(self, staging: int | None, layerwise: int) -> WorkerSide:
-        if self.shards == 1:
+        if self.shards == 1 and self.groups == 1:
             return WorkerSide.for_kv_caches(
                 self.client,
                 self.scheme,
@@ -133,24 +144,50 @@ class Bench:
                 staging_blocks=staging,
                 layerwise_save_blocks=layerwise,
             )
-        plan = TPPlan(0, 1, num_kv_heads=self.heads, store_tp=self.shards)
-        lane = group_lane(
-            self.kv,
-            self.blocks,
-            Regions,
-            register=self.client.register,
-            plan=plan,
-            keys=ShardKeys(plan.schemes(self.scheme)),
-            block_bytes=self.block_bytes,
-            staging_blocks=staging,
+        plan = TPPlan(
+            0,
+            1,
+            num_kv_heads=self.heads,
+            store_tp=self.shards if self.shards > 1 else None,
         )
+        lanes = []
+        for g in range(self.groups):
+            kv = self._group_layers(g)
+            block_bytes = sum(
+                t.numel() // self.blocks * 2 for t in kv.values()
+            )
+            scheme = attrs.evolve(
+                self.scheme,
+                layout=KeyLayout(
+                    "int16",
+                    block_tokens=BLOCK,
+                    block_bytes=block_bytes,
+                    detail=f"g{g}",
+                ),
+            )
+            lanes.append(
+                group_lane(
+                    kv,
+                    self.blocks,
+                    Regions,
+                    register=self.client.register,
+                    plan=plan,
+                    keys=(
+                        ShardKeys(plan.schemes(scheme))
+                        if plan.shared
+                        else scheme
+                    ),
+                    block_bytes=block_bytes,
+                    staging_blocks=staging,
+                )
+            )
         return WorkerSide(
             self.client,
-            lane.keys,
-            KVLayout.from_tensors(self.kv, self.blocks),
+            lanes[0].keys,
+            KVLayout.from_tensors(self._group_layers(0), self.blocks),
             Regions,
-            transfer=lane.transfer,
-            lanes=[lane],
+            transfer=lanes[0].transfer,
+            lanes=lanes,
             layerwise_saves=layerwise > 0,
         )
 
@@ -162,8 +199,12 @@ class Bench:
         ids = tuple(range(self.blocks))
         hashes = tuple(f"{variant}-{self.job_id}-{b}".encode() for b in ids)
         job = TransferJob(
-            self.job_id, JobKind.SAVE, f"r{self.job_id}", 0, ids, hashes,
-            pinned=True,
+            self.job_id, JobKind.SAVE, f"r{self.job_id}", 0,
+            ids * self.groups, hashes * self.groups, pinned=True,
+            group_ids=(
+                tuple(g for g in range(self.groups) for _ in ids)
+                if self.groups > 1 else ()
+            ),
         )  # fmt: skip
         meta = ConnectorMeta(step=self.step, jobs=(job,))
         started = time.perf_counter()
@@ -190,44 +231,47 @@ class Bench:
             ConnectorMeta(step=self.step + 1, finished=frozenset({job.req_id}))
         )
         self.step += 1
-        self.client.remove(w.lanes[0].keys.keys(list(hashes)), force=True)
+        for lane in w.lanes:
+            self.client.remove(lane.keys.keys(list(hashes)), force=True)
         return ended - started, done - ended
 
     def _check(self, w: WorkerSide, hashes: tuple[bytes, ...]) -> None:
         """The first and last blocks hold the KV as the forward left it.
 
-        Every store object of each: one, or one per head shard (its
-        slice of the heads, every layer).
+        Every store object of each: per KV cache group, one, or one per
+        head shard (its slice of the heads, every layer of the group).
         """
         ends = (0, self.blocks - 1)
-        keys = w.lanes[0].keys.keys([hashes[0], hashes[-1]])  # shard-major
-        size = self.block_bytes // self.shards
-        rows = torch.zeros((len(keys), size), dtype=torch.uint8)
-        self.client.register_tensor(rows)
-        try:
-            regions = Regions.blocks(
-                rows.data_ptr(), size, list(range(len(keys)))
-            )
-            got = self.client.get(keys, regions).succeeded
-        finally:
-            self.client.unregister(rows.data_ptr())
         per = self.heads // self.shards
-        parts = []
-        for shard in range(self.shards):
-            for b in ends:
-                of_block = []
-                for t in self.kv.values():
-                    kv = t[:, b]
-                    if self.shards > 1:
-                        kv = kv[:, shard * per : (shard + 1) * per]
-                    of_block.append(
-                        kv.contiguous().view(torch.uint8).reshape(-1)
-                    )
-                parts.append(torch.cat(of_block))
-        want = torch.stack(parts)
-        if got != [True] * len(keys) or not torch.equal(rows, want):
-            msg = "stored bytes differ from the KV the forward wrote"
-            raise RuntimeError(msg)
+        for g, lane in enumerate(w.lanes):
+            keys = lane.keys.keys([hashes[0], hashes[-1]])  # shard-major
+            size = lane.block_bytes // self.shards
+            rows = torch.zeros((len(keys), size), dtype=torch.uint8)
+            self.client.register_tensor(rows)
+            try:
+                regions = Regions.blocks(
+                    rows.data_ptr(), size, list(range(len(keys)))
+                )
+                got = self.client.get(keys, regions).succeeded
+            finally:
+                self.client.unregister(rows.data_ptr())
+            parts = []
+            for shard in range(self.shards):
+                for b in ends:
+                    of_block = []
+                    for t in self._group_layers(g).values():
+                        kv = t[:, b]
+                        if self.shards > 1:
+                            kv = kv[:, shard * per : (shard + 1) * per]
+                        of_block.append(
+                            kv.contiguous().view(torch.uint8).reshape(-1)
+                        )
+                    parts.append(torch.cat(of_block))
+            if got != [True] * len(keys) or not torch.equal(
+                rows, torch.stack(parts)
+            ):
+                msg = "stored bytes differ from the KV the forward wrote"
+                raise RuntimeError(msg)
 
     def measure(self, reps: int, layer_s: float) -> dict[str, Any]:
         fwd: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -276,6 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 heads=args.kv_heads,
                 tokens=args.tokens,
                 shards=args.shards,
+                groups=args.groups,
             )
             try:
                 row = bench.measure(args.reps, args.layer_ms / 1e3)
@@ -291,6 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "blocks": args.tokens // BLOCK,
         "layers": args.layers,
         "shards": args.shards,
+        "groups": args.groups,
         "block_bytes": block_bytes,
         "layer_ms": args.layer_ms,
         "reps": args.reps,
@@ -315,7 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="head shards per block (store_tp_size), all held here",
     )
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=1,
+        help="KV cache groups the layers are dealt to (a hybrid model)",
+    )
     args = parser.parse_args(argv)
+    if args.groups <= 0 or args.layers % args.groups:
+        parser.error("--groups must divide --layers")
     if args.shards <= 0 or args.kv_heads % args.shards:
         parser.error("--shards must divide --kv-heads")
     if args.tokens % BLOCK or args.tokens <= 0:

@@ -812,9 +812,10 @@ class LoadConfig:
             "first this-many saved blocks overlap the forward, the rest "
             "are gathered after it. Blocks stay pinned until saved. "
             "Head-sharded (``store_tp_size``) and hybrid layouts save "
-            "layer-wise too, each head shard gathered on a thread of its "
-            "own; a replica rank of replicated KV puts nothing and stages "
-            "nothing. ``0`` (the default): every save starts after the "
+            "layer-wise too, their head shards and KV cache groups "
+            "gathered side by side; a replica rank of replicated KV puts "
+            "nothing and stages nothing. ``0`` (the default): every save "
+            "starts after the "
             "forward pass.",
             coerce_int,
         ),

@@ -20,13 +20,13 @@ import torch
 from connector.metadata import ConnectorMeta, JobKind, JobResult, TransferJob
 from connector.parallel import ShardKeys, TPPlan
 from connector.store import Regions
-from connector.store.keys import KeyLayout, KeyScheme
 from connector.worker.shards import Sharded, group_lane
 from connector.worker.side import WorkerSide
 from connector.worker.transfer import Direct, KVLayout, Staged
 from tests.worker_helpers import (
     JobMaker,
     assert_stored,
+    key_scheme,
     make_worker,
     read_back,
     settle,
@@ -228,20 +228,8 @@ def make_sharded(store_client, unique, workers):
 
     def _make(kv, *, staging_blocks=4, writes=True):
         plan = _plan(writes=writes)
-        probe = kv["l0"]
-        block_bytes = sum(t[0].numel() * t.element_size() for t in kv.values())
-        scheme = KeyScheme(
-            namespace=unique,
-            model="m",
-            tp_rank=0,
-            tp_size=1,
-            layout=KeyLayout(
-                "float32",
-                block_tokens=TOKENS,
-                block_bytes=block_bytes,
-                detail=f"{tuple(probe.shape)}",
-            ),
-        )
+        scheme = key_scheme(unique, kv, NUM_BLOCKS, TOKENS)
+        block_bytes = scheme.layout.block_bytes
         schemes = plan.schemes(scheme)
         lane = group_lane(
             kv,
@@ -441,18 +429,8 @@ def make_groups(store_client, unique, workers):
         lanes = []
         for g, layers in enumerate(GROUPS):
             group_kv = {f"l{i}": kv[f"l{i}"] for i in layers}
-            block_bytes = sum(t[0].numel() * 4 for t in group_kv.values())
-            scheme = KeyScheme(
-                namespace=unique,
-                model="m",
-                tp_rank=0,
-                tp_size=1,
-                layout=KeyLayout(
-                    "float32",
-                    block_tokens=TOKENS,
-                    block_bytes=block_bytes,
-                    detail=f"g{g}",
-                ),
+            scheme = key_scheme(
+                unique, group_kv, NUM_BLOCKS, TOKENS, detail=f"g{g}"
             )
             lanes.append(
                 group_lane(
@@ -462,7 +440,7 @@ def make_groups(store_client, unique, workers):
                     register=store_client.register,
                     plan=TPPlan(),
                     keys=scheme,
-                    block_bytes=block_bytes,
+                    block_bytes=scheme.layout.block_bytes,
                     staging_blocks=4,
                 )
             )

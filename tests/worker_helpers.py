@@ -146,6 +146,30 @@ def assert_stored(client, keys, kv, block_ids, num_blocks):
         assert diff == 0, f"stored block {b}: {diff} bytes differ"
 
 
+def key_scheme(unique, kv, num_blocks, tokens, *, detail=None):
+    """Keys for blocks of `kv` in the test's own namespace.
+
+    The layout's detail is the first tensor's shape unless `detail`
+    names another (a KV cache group's).
+    """
+    probe = next(iter(kv.values()))
+    block_bytes = sum(
+        t.numel() // num_blocks * t.element_size() for t in kv.values()
+    )
+    return KeyScheme(
+        namespace=unique,
+        model="m",
+        tp_rank=0,
+        tp_size=1,
+        layout=KeyLayout(
+            str(probe.dtype).removeprefix("torch."),
+            block_tokens=tokens,
+            block_bytes=block_bytes,
+            detail=detail or f"{tuple(probe.shape)}",
+        ),
+    )
+
+
 def make_worker(
     client,
     unique,
@@ -160,25 +184,9 @@ def make_worker(
     layerwise_saves=False,
 ):
     """A worker over `kv` whose keys live in the test's own namespace."""
-    probe = next(iter(kv.values()))
-    block_bytes = sum(
-        t.numel() // num_blocks * t.element_size() for t in kv.values()
-    )
-    scheme = KeyScheme(
-        namespace=unique,
-        model="m",
-        tp_rank=0,
-        tp_size=1,
-        layout=KeyLayout(
-            str(probe.dtype).removeprefix("torch."),
-            block_tokens=tokens,
-            block_bytes=block_bytes,
-            detail=f"{tuple(probe.shape)}",
-        ),
-    )
     return WorkerSide.for_kv_caches(
         store or client,
-        scheme,
+        key_scheme(unique, kv, num_blocks, tokens),
         kv,
         num_blocks,
         Regions,

@@ -17,7 +17,7 @@ import attrs
 from connector.groups import NULL_BLOCK
 from connector.metadata import JobKind, TransferJob
 from connector.worker.deadline import Runners, side_by_side
-from connector.worker.transfer import LayerWaits
+from connector.worker.transfer import filled_by_layer
 
 if TYPE_CHECKING:
     from connector.worker.deadline import Deadline
@@ -91,7 +91,7 @@ def move_blocks(
     together = (
         job.kind is JobKind.SAVE
         and len(moves) > 1
-        and any(_by_layer(fences[group]) for group in positions)
+        and any(filled_by_layer(fences[group]) for group in positions)
     )
     if together and runners is not None:
         got = side_by_side(runners, moves, [len(w) for w in wheres])
@@ -101,15 +101,3 @@ def move_blocks(
         for pos, ok in zip(where, per_group, strict=True):
             flags[pos] = ok
     return flags
-
-
-def _by_layer(fence: Any) -> bool:
-    """Whether a lane's save fence is filled layer by layer.
-
-    A head-sharded lane's fence holds one per shard.
-    """
-    if isinstance(fence, LayerWaits):
-        return True
-    return isinstance(fence, tuple) and any(
-        isinstance(f, LayerWaits) for f in fence
-    )

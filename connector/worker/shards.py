@@ -23,10 +23,10 @@ from connector.worker.pieces import (
     head_pieces,
 )
 from connector.worker.transfer import (
-    LayerWaits,
     LayerWise,
     SaveWaits,
     Transfer,
+    filled_by_layer,
     open_transfer,
 )
 
@@ -175,7 +175,7 @@ class Sharded:
                 strict=True,
             )
         )
-        if len(saves) > 1 and any(isinstance(f, LayerWaits) for f in fences):
+        if len(saves) > 1 and filled_by_layer(fences):
             got = self._side_by_side(
                 [
                     functools.partial(part.save, store, k, block_ids, f)

@@ -154,6 +154,18 @@ SaveWaits = CopyWaits | LayerWaits
 """What a save waits for: the step's fence, or one filled layer by layer."""
 
 
+def filled_by_layer(fence: Any) -> bool:
+    """Whether a save's fence is filled layer by layer (`LayerWaits`).
+
+    A head-sharded lane's fence holds one per shard: it is, if any is.
+    """
+    if isinstance(fence, LayerWaits):
+        return True
+    return isinstance(fence, tuple) and any(
+        isinstance(f, LayerWaits) for f in fence
+    )
+
+
 @attrs.frozen
 class Segment:
     """One blocks-first memory range: block `b` at `base + b * stride`."""

@@ -647,3 +647,72 @@ def test_only_in_asks_every_complete_replica(replicas, local):
 
     assert only_in(replicas, "me") is local
     assert only_in(replicas, "") is False
+
+
+def test_a_refused_buffer_registration_fails_the_load_not_the_worker(
+    start_master, unique, caplog
+):
+    """While the master is down, Mooncake refuses to register a new buffer
+    (-600: its metadata server is gone).  A load needing that buffer
+    fails (recomputed) with one WARNING instead of raising out of the
+    job; once the master is back, a load registers the buffer and lands.
+    (The serving e2e test met this as an ERROR traceback mid-crash.)
+    """
+    from connector.errors import StoreError  # noqa: PLC0415
+    from connector.ops.master import store_config_for  # noqa: PLC0415
+    from connector.store import StoreClient  # noqa: PLC0415
+
+    master = start_master(lease_ttl_ms=500, client_ttl_s=2)
+    config = store_config_for(
+        master, global_segment_size=64 * 1024 * 1024, namespace=unique
+    )
+    source, target = kv_caches(seed=3), kv_caches(seed=4)
+    registered: list[int] = []
+    keys = [f"{unique}-{i}" for i in range(4)]
+    with StoreClient.open(config) as client:
+        staging = staging_for(client, target, slots=2, registered=registered)
+        try:
+            assert len(registered) == 1  # the first buffer, at start
+            master.kill()
+            # Four blocks in two chunks: the second needs a new buffer.
+            with caplog.at_level("WARNING", logger="connector.worker"):
+                flags = staging.load(
+                    client, keys, [8, 9, 10, 11], Deadline.after(2)
+                )
+            assert flags == [False] * 4
+            refused = staging.refused
+            assert refused >= 1
+            refusals = [
+                r
+                for r in caplog.records
+                if "could not be registered" in r.message
+            ]
+            assert len(refusals) == 1, [r.message for r in caplog.records]
+            master.restart()
+            rows = None
+            end = time.monotonic() + 20
+            while time.monotonic() < end:  # the client finds the master again
+                try:
+                    rows = store_blocks(
+                        client, source, [0, 1, 2, 3], keys, registered
+                    )
+                    break
+                except (AssertionError, StoreError):  # not back yet
+                    time.sleep(0.25)
+            assert rows is not None
+            flags = staging.load(
+                client, keys, [8, 9, 10, 11], Deadline.after(5)
+            )
+            assert flags == [True] * 4
+            for a, b in zip(
+                blocks_of(source, [0, 1, 2, 3]),
+                blocks_of(target, [8, 9, 10, 11]),
+                strict=True,
+            ):
+                assert torch.equal(a, b)
+            assert staging.refused == refused  # the new buffer registered
+        finally:
+            staging.close()
+            for ptr in set(registered):
+                if client.is_registered(ptr, 1):
+                    client.unregister(ptr)

@@ -48,6 +48,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
+from connector.errors import StoreError
+from connector.store.faults import RateLimitedWarning
+
 if TYPE_CHECKING:
     import torch
 
@@ -450,6 +453,10 @@ class LoadStaging:
         self.late = 0
         #: Chunks failed at once: every buffer was held by a late get.
         self.shed = 0
+        #: Chunks failed at once: the store refused a new buffer's
+        #: registration (its metadata server down); the next load retries.
+        self.refused = 0
+        self._warn = RateLimitedWarning(log)
         #: Loads read in spans of layers (`layer_spans`).
         self.spanned = 0
         first = self._take()
@@ -613,7 +620,7 @@ class LoadStaging:
             return None
         buffers: list[torch.Tensor] = []
         while len(buffers) < count:
-            buffer = self._take()
+            buffer = self._borrow()
             if buffer is None:
                 for taken in buffers:
                     self._give(taken)
@@ -674,9 +681,10 @@ class LoadStaging:
     def _lend(self, blocks: int) -> tuple[torch.Tensor, Any] | None:
         """A free buffer and the regions of its first `blocks` slots.
 
-        None (counted in `shed`) when every buffer is held by a late get.
+        None when none can be had (see `_borrow`); counted in `shed` when
+        every buffer is held by a late get.
         """
-        buffer = self._take()
+        buffer = self._borrow()
         if buffer is None:
             self.shed += 1
             return None
@@ -731,7 +739,35 @@ class LoadStaging:
             self._give(buffer)
         return got
 
+    def _borrow(self) -> torch.Tensor | None:
+        """`_take` for a load: None, not an error, if registration fails.
+
+        A new buffer the store refuses to register (its metadata server
+        is down, as while the master restarts) is counted in `refused`
+        with one rate-limited WARNING; the load fails and vLLM recomputes,
+        as for any store fault, and a later load registers a buffer again.
+        """
+        try:
+            return self._take()
+        except StoreError as error:
+            with self._lock:
+                self.refused += 1
+            self._warn.note(
+                "register",
+                1,
+                "a load staging buffer could not be registered with the "
+                "store (%s); the load is recomputed and a later one tries "
+                "again",
+                error,
+            )
+            return None
+
     def _take(self) -> torch.Tensor | None:
+        """A free buffer, or a new one registered (None: `max_buffers`).
+
+        Raises:
+            StoreError: the store refused the new buffer's registration.
+        """
         with self._lock:
             if self._free:
                 return self._free.pop()

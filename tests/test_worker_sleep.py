@@ -184,3 +184,83 @@ def test_shutdown_keeps_the_memory_registered_while_a_transfer_is_stuck(
             client.unregister(ptr)
         vllm_connector._KEPT.remove(worker)
     assert not any(client.is_registered(*s) for s in spans)
+
+
+def share_until_a_hit(a, b, bound_s=60.0):
+    """A computes fresh prompts and B asks for them until B loads one."""
+    end = time.monotonic() + bound_s
+    for i in range(60):
+        if b.external_hit_tokens or time.monotonic() > end:
+            break
+        a.add_request(f"a{i}", prompt(100 + i, 64), max_tokens=2)
+        run(a)
+        b.add_request(f"b{i}", [*prompt(100 + i, 64), 5], max_tokens=2)
+        run(b)
+        time.sleep(0.2)
+
+
+@pytest.mark.vllm
+def test_sleep_wake_and_shutdown_through_a_master_outage(
+    start_master, unique, harnesses, monkeypatch, caplog
+):
+    """The store refuses (un)registration while its master is down
+    (Mooncake's -600: the metadata server is gone).  Waking up then keeps
+    KV transfers paused and retries each step until the master is back;
+    a refused unregister at shutdown is one WARNING, never an exception.
+    """
+    pytest.importorskip("vllm")
+    from connector.integration import vllm_connector  # noqa: PLC0415
+    from harness import Harness  # noqa: PLC0415
+    from tests.connector_helpers import store_extra  # noqa: PLC0415
+
+    monkeypatch.setattr(vllm_connector, "RESTORE_RETRY_S", 0.05)
+    master = start_master(lease_ttl_ms=500, client_ttl_s=2)
+    extra = store_extra(master, unique)
+
+    def make():
+        h = Harness(CONNECTOR, extra_config=extra, num_blocks=40)
+        harnesses.append(h)
+        return h
+
+    a = make()
+    connector = a.worker_connector
+    client = connector._client
+    spans = [
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        for t in a.kv_caches.values()
+    ]
+    connector.unregister_kv_caches()
+    assert not any(client.is_registered(*s) for s in spans)
+    master.kill()
+    with caplog.at_level("WARNING", logger="connector.integration"):
+        connector.restore_kv_caches()  # refused: the master is down
+        assert not any(client.is_registered(*s) for s in spans)
+        assert connector.worker_side.suspended
+        time.sleep(0.1)
+        connector.get_finished(set())  # retried, refused again
+        assert connector.worker_side.suspended
+    refusals = [
+        r for r in caplog.records if "refused to register" in r.message
+    ]
+    assert len(refusals) == 1, [r.message for r in caplog.records]
+    master.restart()
+    end = time.monotonic() + 30
+    while connector.worker_side.suspended and time.monotonic() < end:
+        time.sleep(0.1)
+        connector.get_finished(set())
+    assert not connector.worker_side.suspended
+    assert all(client.is_registered(*s) for s in spans)
+    # The master lost every object: once A's and B's clients are back on
+    # it (Mooncake's reconnect, seconds), what A saves B loads again.
+    b = make()
+    share_until_a_hit(a, b)
+    assert b.external_hit_tokens == 64
+    # Shutdown with the master down: the refusal is a WARNING.
+    master.kill()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="connector.integration"):
+        connector.shutdown()
+    kept = [r for r in caplog.records if "refused to unregister" in r.message]
+    assert len(kept) == 1, [r.message for r in caplog.records]
+    assert all(client.is_registered(*s) for s in spans)  # Mooncake kept them
+    master.restart()

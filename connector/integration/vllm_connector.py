@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
@@ -60,7 +61,7 @@ from connector.config import (
     StoreConfig,
     TraceConfig,
 )
-from connector.errors import ConfigError
+from connector.errors import ConfigError, StoreError
 from connector.groups import KVGroups
 from connector.integration.kv_events import hit_sources, vllm_events
 from connector.integration.layout import (
@@ -105,6 +106,9 @@ log: Final = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S: Final = 10.0
 """How long `shutdown` and `unregister_kv_caches` wait for transfers."""
+
+RESTORE_RETRY_S: Final = 1.0
+"""How often a KV region the store refused at wake-up is registered again."""
 
 _KEPT: list[Any] = []
 """Workers whose transfers did not stop: held (with their KV memory, still
@@ -203,6 +207,9 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
 
     _asleep: list[tuple[int, int]] | None = None
     """While asleep: the (address, bytes) to register again at wake-up."""
+    _restore_at: float = float("inf")
+    """When `get_finished` next registers what the store refused."""
+    _restore_warned: bool = False
 
     def __init__(
         self,
@@ -552,8 +559,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             self._asleep = []
             return
         self._take_registered()
-        self._asleep = [(p, client.unregister(p)) for p in self._registered]
-        self._registered.clear()
+        self._asleep = self._unregister_all(client, "sleep mode")
         log.info(
             "kv-lifecycle: KV cache unregistered for sleep mode (%d regions)",
             len(self._asleep),
@@ -562,21 +568,76 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
     def restore_kv_caches(self) -> None:
         """After wake-up: register the KV memory again; jobs run again.
 
-        vLLM maps the KV cache back at the same addresses.  Idempotent.
+        vLLM maps the KV cache back at the same addresses.  If the store
+        refuses a region (its master down), the worker stays suspended
+        (jobs cancelled: loads recomputed, saves skipped), one WARNING
+        says so, and each step's `get_finished` tries again at most once
+        every `RESTORE_RETRY_S` until every region is back.  Idempotent.
         """
         worker, client, asleep = self._worker, self._client, self._asleep
         if worker is None or client is None or asleep is None:
             return
+        left = []
+        refused: StoreError | None = None
         for ptr, nbytes in asleep:
-            if client.register(ptr, nbytes):
-                self._registered.append(ptr)
+            try:
+                if client.register(ptr, nbytes):
+                    self._registered.append(ptr)
+            except StoreError as error:
+                left.append((ptr, nbytes))
+                refused = error
+        if refused is not None:
+            if not self._restore_warned:
+                log.warning(
+                    "kv-lifecycle: the store refused to register %d of %d KV "
+                    "region(s) after wake-up (%s); KV transfers stay "
+                    "paused (loads recomputed) and it is retried every "
+                    "%.0f s",
+                    len(left),
+                    len(asleep),
+                    refused,
+                    RESTORE_RETRY_S,
+                )
+                self._restore_warned = True
+            self._asleep = left
+            self._restore_at = time.monotonic() + RESTORE_RETRY_S
+            return
         self._asleep = None
+        self._restore_warned = False
         worker.resume()
         log.info(
             "kv-lifecycle: KV cache registered again after wake-up "
             "(%d regions)",
             len(asleep),
         )
+
+    def _unregister_all(
+        self, client: StoreClient, why: str
+    ) -> list[tuple[int, int]]:
+        """Unregister every region; the (ptr, nbytes) of those that were.
+
+        A region Mooncake refuses to unregister (its master's metadata
+        server down) stays registered, listed in `_registered`; one
+        WARNING counts them.
+        """
+        done, kept = [], []
+        refused: StoreError | None = None
+        for ptr in self._registered:
+            try:
+                done.append((ptr, client.unregister(ptr)))
+            except StoreError as error:
+                kept.append(ptr)
+                refused = error
+        self._registered = kept
+        if refused is not None:
+            log.warning(
+                "kv-lifecycle: the store refused to unregister %d KV "
+                "region(s) for %s (%s); Mooncake keeps them registered",
+                len(kept),
+                why,
+                refused,
+            )
+        return done
 
     def _take_registered(self) -> None:
         """Add what the worker registered since (load staging buffers)."""
@@ -682,6 +743,8 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         del finished_req_ids
         if self._worker is None:
             return None, None
+        if self._asleep is not None and time.monotonic() >= self._restore_at:
+            self.restore_kv_caches()  # a region the store refused at wake-up
         return self._worker.get_finished()
 
     def get_transfer_results(
@@ -828,8 +891,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = None
         if self._client is not None:
             if stopped:
-                for ptr in self._registered:
-                    self._client.unregister(ptr)
+                self._unregister_all(self._client, "shutdown")
             self._registered.clear()
             clients.release(self._client)
             self._client = None

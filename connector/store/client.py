@@ -624,18 +624,22 @@ class StoreClient:
             Its size in bytes (to register it again).
 
         Raises:
-            RegistrationError: it was not registered or Mooncake refused.
+            RegistrationError: it was not registered, or Mooncake refused
+                (as it does while the master's metadata server is down);
+                a refused region stays registered here, as it stays in
+                Mooncake's transfer engine.
         """
         with self._lock:
-            nbytes = self._registered.pop(ptr, None)
+            nbytes = self._registered.get(ptr)
             if nbytes is None:
                 reason = "not registered"
                 raise RegistrationError(ptr, 0, 0, reason)
-            self._starts.remove(ptr)
             rc = self._store.unregister_buffer(ptr)
             if rc != 0:
                 reason = "Mooncake refused to unregister"
                 raise RegistrationError(ptr, nbytes, rc, reason)
+            del self._registered[ptr]
+            self._starts.remove(ptr)
             return nbytes
 
     def is_registered(self, ptr: int, nbytes: int) -> bool:

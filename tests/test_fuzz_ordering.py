@@ -22,7 +22,10 @@ fake clock jumps past the lookup timeout); in half the examples they
 leave as requests arrive (``on_new_request`` with a lookup wait budget),
 so they race vLLM's first question too.  Examples run over one
 or two tensor-parallel ranks (a worker and a KV shard each, results
-reported by each rank in its own step and aggregated as vLLM does); in
+reported by each rank in its own step and aggregated as vLLM does), or
+one rank whose blocks are stored as two head-shard objects
+(``store_tp_size``: read and written side by side, a layer landing once
+both shards wrote it); in
 some a third of the transfers fail (`tests.test_faults_vllm.Flaky`, which
 scribbles over a failed load's blocks).
 
@@ -87,10 +90,12 @@ from vllm.v1.request import Request, RequestStatus
 
 from connector.integration.vllm_connector import LifecycleWorkerMetadata
 from connector.metadata import JobKind, JobResult, TransferJob, WorkerReport
+from connector.parallel import ShardKeys, TPPlan
 from connector.scheduler.side import Role, SchedulerSide
 from connector.scheduler.store_lookup import StoreLookup
 from connector.store import Regions, StoreClient
 from connector.store.keys import KeyLayout, KeyScheme
+from connector.worker.shards import group_lane
 from connector.worker.side import KVLayout, WorkerSide
 from connector.worker.transfer import open_transfer
 from harness.prompts import arithmetic_prompt
@@ -106,6 +111,8 @@ LAYER_BYTES = 1024
 FAMILIES = 4  # prompt families; 0 and 1 are stored before the run
 LENGTHS = (20, 33, 48, 64, 70)
 MAX_TP = 2  # tensor-parallel ranks: each has its own KV shard and worker
+HEADS = 2  # KV heads of the head-sharded examples: one rank, 2 objects
+SHARD_PLAN = TPPlan(0, 1, num_kv_heads=HEADS, store_tp=HEADS)
 MAX_QUEUE = 3  # outputs awaiting update_from_output (async scheduling)
 SETTLE_S = 10.0  # bound on any transfer (the master is healthy)
 
@@ -167,6 +174,12 @@ class Env:
             for _ in range(MAX_TP)
         ]
         self.tensors = [t for shard in self.kv for t in shard.values()]
+        # Rank 0's cache seen head-major ([blocks, heads, bytes]): the
+        # head-sharded examples store each head as an object of its own.
+        self.heads = {
+            name: t.view(NUM_BLOCKS, HEADS, LAYER_BYTES // HEADS)
+            for name, t in self.kv[0].items()
+        }
         for tensor in self.tensors:
             client.register_tensor(tensor)
             reader.register_tensor(tensor)
@@ -201,11 +214,13 @@ class Env:
             if layer is None or i == layer
         )
 
-    def fresh_store(self, tp):
+    def fresh_store(self, tp, *, sharded=False):
         """A namespace of its own for one example, so examples repeat.
 
         Families 0 and 1 (full length) are stored first, on every rank, as
-        another instance would have.
+        another instance would have.  `sharded` (one rank): as `HEADS`
+        head-shard objects per block (`store_tp_size`), the schemes
+        returned being the shards'.
         """
         self.examples += 1
         schemes = [
@@ -220,18 +235,32 @@ class Env:
             )
             for rank in range(tp)
         ]
+        if sharded:
+            schemes = list(SHARD_PLAN.schemes(schemes[0]))
         for family in (0, 1):
             hashes = self.request("seed", family, max(LENGTHS)).block_hashes
             ids = list(range(1, len(hashes) + 1))
             for block_id, block_hash in zip(ids, hashes, strict=True):
                 self.write(block_id, block_hash)
             for rank, scheme in enumerate(schemes):
-                regions = Regions.pieces(*self.layouts[rank].pieces(ids))
+                regions = (
+                    self.head_regions(ids, rank)
+                    if sharded
+                    else Regions.pieces(*self.layouts[rank].pieces(ids))
+                )
                 result = self.client.put(scheme.keys(hashes), regions)
                 assert result.ok, list(result)
         for tensor in self.tensors:
             tensor.zero_()
         return schemes, StoreLookup(self.client, tuple(schemes))
+
+    def head_regions(self, ids, head):
+        """Blocks `ids` of rank 0's head `head`, every layer's slice."""
+        views = list(self.heads.values())
+        return Regions.pieces(
+            [[v[b, head].data_ptr() for v in views] for b in ids],
+            [[LAYER_BYTES // HEADS] * len(views) for _ in ids],
+        )
 
     def close(self):
         for tensor in self.tensors:
@@ -343,6 +372,7 @@ class OrderingFuzzer(RuleBasedStateMachine):
                               hash_block_size=BS)  # fmt: skip
         self.spy = PinSpy(self.pool, self.violations)
         self.workers: list[WorkerSide] = []
+        self.sharded = False
         self.connect(tp=1)
         self.refs: dict[str, Ref] = {}
         self.outputs: collections.deque[Output] = collections.deque()
@@ -361,11 +391,15 @@ class OrderingFuzzer(RuleBasedStateMachine):
         self.delayed: set[str] = set()
         self.layerwise = 0  # the scheduler half's layer-wise bound
 
-    def connect(self, tp):
-        """The connector's halves over `tp` ranks, on a fresh namespace."""
+    def connect(self, tp, *, sharded=False):
+        """The connector's halves over `tp` ranks, on a fresh namespace.
+
+        `sharded` (one rank): the rank's blocks are stored as `HEADS`
+        head-shard objects, read and written side by side (`Sharded`).
+        """
         self.retire_workers()
-        self.tp = tp
-        schemes, lookup = self.env.fresh_store(tp)
+        self.tp, self.sharded = tp, sharded
+        schemes, lookup = self.env.fresh_store(tp, sharded=sharded)
         self.side = SchedulerSide(
             block_size=BS,
             role=Role.BOTH,
@@ -375,6 +409,9 @@ class OrderingFuzzer(RuleBasedStateMachine):
         )
         self.side.lookups.clock = lambda: self.now
         self.side.bind_block_pool(self.spy)
+        if sharded:
+            self.workers = [self.sharded_worker(schemes)]
+            return
         self.workers = [
             WorkerSide(
                 self.env.reader,
@@ -392,6 +429,28 @@ class OrderingFuzzer(RuleBasedStateMachine):
             )
             for rank, scheme in enumerate(schemes)
         ]
+
+    def sharded_worker(self, schemes):
+        """Rank 0's worker over its head shards (`group_lane`'s lane)."""
+        lane = group_lane(
+            self.env.heads,
+            NUM_BLOCKS,
+            Regions,
+            register=self.env.reader.register,
+            plan=SHARD_PLAN,
+            keys=ShardKeys(tuple(schemes)),
+            block_bytes=LAYERS * LAYER_BYTES,
+            deadlines=True,
+        )
+        return WorkerSide(
+            self.env.reader,
+            lane.keys,
+            self.env.layouts[0],
+            Regions,
+            transfer=lane.transfer,
+            lanes=[lane],
+            load_timeout_s=SETTLE_S,
+        )
 
     # -- helpers --------------------------------------------------------------
 
@@ -454,15 +513,27 @@ class OrderingFuzzer(RuleBasedStateMachine):
         tp=st.integers(1, MAX_TP),
         layerwise=st.sampled_from([0, 2, 8, 8]),
         on_arrival=st.booleans(),
+        sharded=st.booleans(),
     )
-    def start(self, runner, families, lossy, tp, *, layerwise=0, on_arrival=0):
-        """Pick the runner, the ranks, the link, the layer-wise bound
-        (hits of at most that many blocks load layer-wise) and whether
-        lookups leave as requests arrive (a lookup wait budget); a few
-        requests arrive."""
+    def start(
+        self,
+        runner,
+        families,
+        lossy,
+        tp,
+        *,
+        layerwise=0,
+        on_arrival=0,
+        sharded=False,
+    ):
+        """Pick the runner, the ranks (or one rank over head shards),
+        the link, the layer-wise bound (hits of at most that many blocks
+        load layer-wise) and whether lookups leave as requests arrive (a
+        lookup wait budget); a few requests arrive."""
         self.runner = runner
-        if tp != self.tp:
-            self.connect(tp)
+        sharded = sharded and tp == 1
+        if (tp, sharded) != (self.tp, self.sharded):
+            self.connect(tp, sharded=sharded)
         self.layerwise = layerwise
         self.side.layerwise_max_blocks = layerwise
         # Lookups run only in `lookups_return`: the budget is never
@@ -967,9 +1038,11 @@ class OrderingFuzzer(RuleBasedStateMachine):
             w.jobs_failed[JobKind.LOAD] for w in self.workers
         )
         COVERAGE["examples over two ranks"] += self.tp > 1
-        COVERAGE["layer-wise loads read in spans"] += sum(
-            w.lanes[0].transfer.loads.spanned for w in self.workers
-        )
+        COVERAGE["examples over head shards"] += self.sharded
+        COVERAGE["head-sharded loads"] += kinds[JobKind.LOAD] * self.sharded
+        spans = sum(spanned(w) for w in self.workers)
+        COVERAGE["layer-wise loads read in spans"] += spans
+        COVERAGE["head-sharded loads read in spans"] += spans * self.sharded
 
     def step(self):
         """A plain step: nothing preempted or admitted, transfers settled."""
@@ -1063,6 +1136,9 @@ COVERAGE_NEEDED = (
     "pins outlived their request",
     "failed loads",
     "examples over two ranks",
+    "examples over head shards",
+    "head-sharded loads",
+    "head-sharded loads read in spans",
     "lookups held back",
     "lookups answered",
     "lookups after their request ended",
@@ -1077,6 +1153,13 @@ COVERAGE_NEEDED = (
     # load) is counted but not required: the CI budget reaches it only
     # by chance; tests/test_layerwise.py drives that path directly.
 )
+
+
+def spanned(worker):
+    """Loads `worker` read in spans of layers, over every head shard."""
+    transfer = worker.lanes[0].transfer
+    parts = getattr(transfer, "parts", (transfer,))
+    return sum(part.loads.spanned for part in parts)
 
 
 def test_hook_orderings(env):

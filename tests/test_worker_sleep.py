@@ -186,6 +186,20 @@ def test_shutdown_keeps_the_memory_registered_while_a_transfer_is_stuck(
     assert not any(client.is_registered(*s) for s in spans)
 
 
+class CallCounter:
+    """Wraps `obj.name`: the name of each caller's thread, in order."""
+
+    def __init__(self, obj, name):
+        self.threads = []
+        inner = getattr(obj, name)
+
+        def call(*args, **kwargs):
+            self.threads.append(threading.current_thread().name)
+            return inner(*args, **kwargs)
+
+        setattr(obj, name, call)
+
+
 def share_until_a_hit(a, b, bound_s=60.0):
     """A computes fresh prompts and B asks for them until B loads one."""
     end = time.monotonic() + bound_s
@@ -232,13 +246,18 @@ def test_sleep_wake_and_shutdown_through_a_master_outage(
     connector.unregister_kv_caches()
     assert not any(client.is_registered(*s) for s in spans)
     master.kill()
+    registers = CallCounter(client, "register")
     with caplog.at_level("WARNING", logger="connector.integration"):
         connector.restore_kv_caches()  # refused: the master is down
         assert not any(client.is_registered(*s) for s in spans)
         assert connector.worker_side.suspended
-        time.sleep(0.1)
-        connector.get_finished(set())  # retried, refused again
+        end = time.monotonic() + 10
+        while len(registers.threads) < 3 and time.monotonic() < end:
+            time.sleep(0.05)
         assert connector.worker_side.suspended
+    # Retried, and never on the thread that runs vLLM's hooks.
+    assert len(registers.threads) >= 3
+    assert set(registers.threads[1:]) == {"kv-lifecycle-restore"}
     refusals = [
         r for r in caplog.records if "refused to register" in r.message
     ]
@@ -247,7 +266,6 @@ def test_sleep_wake_and_shutdown_through_a_master_outage(
     end = time.monotonic() + 30
     while connector.worker_side.suspended and time.monotonic() < end:
         time.sleep(0.1)
-        connector.get_finished(set())
     assert not connector.worker_side.suspended
     assert all(client.is_registered(*s) for s in spans)
     # The master lost every object: once A's and B's clients are back on

@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import logging
 import os
-import time
+import threading
 import uuid
 from typing import TYPE_CHECKING, Any, Final
 
+import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -108,7 +109,21 @@ DRAIN_TIMEOUT_S: Final = 10.0
 """How long `shutdown` and `unregister_kv_caches` wait for transfers."""
 
 RESTORE_RETRY_S: Final = 1.0
-"""How often a KV region the store refused at wake-up is registered again."""
+"""How often a KV region the store refused at wake-up is registered again
+(off the step thread: with a hung master one try takes about 6 s)."""
+
+
+@attrs.define
+class _Restorer:
+    """The thread registering the KV cache again after wake-up.
+
+    `lock` is held while a try registers and commits what it registered.
+    """
+
+    stop: threading.Event = attrs.Factory(threading.Event)
+    lock: threading.Lock = attrs.Factory(threading.Lock)
+    thread: threading.Thread | None = None
+
 
 _KEPT: list[Any] = []
 """Workers whose transfers did not stop: held (with their KV memory, still
@@ -207,9 +222,8 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
 
     _asleep: list[tuple[int, int]] | None = None
     """While asleep: the (address, bytes) to register again at wake-up."""
-    _restore_at: float = float("inf")
-    """When `get_finished` next registers what the store refused."""
-    _restore_warned: bool = False
+    _restorer: _Restorer | None = None
+    """While the store refuses the KV cache back after wake-up."""
 
     def __init__(
         self,
@@ -547,7 +561,14 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         stays registered and an ERROR says so.  Idempotent.
         """
         worker, client = self._worker, self._client
-        if worker is None or client is None or self._asleep is not None:
+        if worker is None or client is None:
+            return
+        if self._restorer is not None:  # asleep again mid-restore
+            self._stop_restoring()
+            left = self._asleep or []
+            self._asleep = [*self._unregister_all(client, "sleep mode"), *left]
+            return
+        if self._asleep is not None:
             return
         if not worker.suspend(DRAIN_TIMEOUT_S):
             log.error(
@@ -571,45 +592,93 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         vLLM maps the KV cache back at the same addresses.  If the store
         refuses a region (its master down), the worker stays suspended
         (jobs cancelled: loads recomputed, saves skipped), one WARNING
-        says so, and each step's `get_finished` tries again at most once
-        every `RESTORE_RETRY_S` until every region is back.  Idempotent.
+        says so, and a thread tries again every `RESTORE_RETRY_S` until
+        every region is back, then resumes the worker.  Idempotent.
         """
         worker, client, asleep = self._worker, self._client, self._asleep
         if worker is None or client is None or asleep is None:
             return
-        left = []
-        refused: StoreError | None = None
-        for ptr, nbytes in asleep:
+        if self._restorer is not None:
+            return  # the retry thread is at it
+        left, refused = self._register_again(client, asleep)
+        if refused is None:
+            self._woken(len(asleep))
+            return
+        self._asleep = left
+        log.warning(
+            "kv-lifecycle: the store refused to register %d of %d KV "
+            "region(s) after wake-up (%s); KV transfers stay paused (loads "
+            "recomputed) and it is retried every %.0f s",
+            len(left),
+            len(asleep),
+            refused,
+            RESTORE_RETRY_S,
+        )
+        restorer = _Restorer()
+        restorer.thread = threading.Thread(
+            target=self._keep_restoring,
+            args=(client, restorer, len(asleep)),
+            name="kv-lifecycle-restore",
+            daemon=True,
+        )
+        self._restorer = restorer
+        restorer.thread.start()
+
+    def _keep_restoring(
+        self, client: StoreClient, restorer: _Restorer, total: int
+    ) -> None:
+        """The retry thread: register what is left until none or stopped."""
+        while not restorer.stop.wait(RESTORE_RETRY_S):
+            with restorer.lock:
+                if restorer.stop.is_set():
+                    return
+                left, refused = self._register_again(
+                    client, self._asleep or []
+                )
+                self._asleep = left
+                if refused is None:
+                    self._restorer = None
+                    self._woken(total)
+                    return
+
+    def _register_again(
+        self, client: StoreClient, regions: list[tuple[int, int]]
+    ) -> tuple[list[tuple[int, int]], StoreError | None]:
+        """Register `regions` in order, up to the first the store refuses.
+
+        Returns what is left (from the refused one on) and the refusal.
+        """
+        for i, (ptr, nbytes) in enumerate(regions):
             try:
                 if client.register(ptr, nbytes):
                     self._registered.append(ptr)
             except StoreError as error:
-                left.append((ptr, nbytes))
-                refused = error
-        if refused is not None:
-            if not self._restore_warned:
-                log.warning(
-                    "kv-lifecycle: the store refused to register %d of %d KV "
-                    "region(s) after wake-up (%s); KV transfers stay "
-                    "paused (loads recomputed) and it is retried every "
-                    "%.0f s",
-                    len(left),
-                    len(asleep),
-                    refused,
-                    RESTORE_RETRY_S,
-                )
-                self._restore_warned = True
-            self._asleep = left
-            self._restore_at = time.monotonic() + RESTORE_RETRY_S
-            return
+                return regions[i:], error
+        return [], None
+
+    def _woken(self, regions: int) -> None:
+        """Every region is registered again: jobs run again."""
         self._asleep = None
-        self._restore_warned = False
-        worker.resume()
+        if self._worker is not None:
+            self._worker.resume()
         log.info(
             "kv-lifecycle: KV cache registered again after wake-up "
             "(%d regions)",
-            len(asleep),
+            regions,
         )
+
+    def _stop_restoring(self) -> None:
+        """Stop the retry thread, if any; it changes nothing after this.
+
+        Waits for a try in flight (about 6 s with a hung master).
+        """
+        restorer, self._restorer = self._restorer, None
+        if restorer is not None:
+            restorer.stop.set()
+            with restorer.lock:  # the try in flight committed
+                pass
+            if restorer.thread is not None:
+                restorer.thread.join(timeout=1.0)
 
     def _unregister_all(
         self, client: StoreClient, why: str
@@ -743,8 +812,6 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
         del finished_req_ids
         if self._worker is None:
             return None, None
-        if self._asleep is not None and time.monotonic() >= self._restore_at:
-            self.restore_kv_caches()  # a region the store refused at wake-up
         return self._worker.get_finished()
 
     def get_transfer_results(
@@ -875,6 +942,7 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
             self._trace.close()
         if self._scheduler is not None:
             self._scheduler.close()
+        self._stop_restoring()
         stopped = True
         if self._worker is not None:
             # Load staging may have registered more buffers since.

@@ -256,6 +256,57 @@ def test_every_staging_buffer_held_by_late_gets_sheds_loads(store_client):
             store_client.unregister(ptr)
 
 
+def test_shared_memory_used_up_fails_the_load_not_the_worker(
+    store_client, unique
+):
+    """A dummy client's staging memory that gives no more (`MemoryError`
+    from `StoreClient.staging_memory`: /dev/shm full) fails the loads that
+    need a new buffer at once, recomputed; a later one makes it."""
+    from connector.store import Regions  # noqa: PLC0415
+    from connector.worker.pieces import block_pieces  # noqa: PLC0415
+    from connector.worker.transfer import HostOps  # noqa: PLC0415
+
+    full = threading.Event()
+
+    def memory(nbytes):
+        if full.is_set():
+            msg = "the dummy client's shared memory pool gave no memory"
+            raise MemoryError(msg)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    registered = []
+
+    def register(ptr, nbytes):
+        registered.append(ptr)
+        return store_client.register(ptr, nbytes)
+
+    staging = LoadStaging(
+        block_pieces(kv_caches(), NUM_BLOCKS),
+        Regions,
+        HostOps(torch.device("cpu"), memory),
+        slots=2,
+        register=register,
+    )
+    keys = [f"{unique}-{i}" for i in range(4)]  # misses: nothing stored
+    try:
+        full.set()
+        # Two chunks: the first has the buffer made at start, the
+        # second needs a new one.
+        flags = staging.load(store_client, keys, [0, 1, 2, 3],
+                             Deadline.after(5))  # fmt: skip
+        assert flags == [False] * 4
+        assert staging.refused == 1
+        assert len(registered) == 1
+        full.clear()
+        staging.load(store_client, keys, [0, 1, 2, 3], Deadline.after(5))
+        assert staging.refused == 1
+        assert len(registered) == 2  # the second buffer, made this time
+    finally:
+        staging.close()
+        for ptr in registered:
+            store_client.unregister(ptr)
+
+
 def store_blocks(store_client, source, sources, keys, registered):
     """Put blocks `sources` of `source` under `keys` (one object each, in
     layer order); the registered address goes to `registered`.  Returns
@@ -685,7 +736,7 @@ def test_a_refused_buffer_registration_fails_the_load_not_the_worker(
             refusals = [
                 r
                 for r in caplog.records
-                if "could not be registered" in r.message
+                if "could not be made or registered" in r.message
             ]
             assert len(refusals) == 1, [r.message for r in caplog.records]
             master.restart()

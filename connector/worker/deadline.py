@@ -453,8 +453,8 @@ class LoadStaging:
         self.late = 0
         #: Chunks failed at once: every buffer was held by a late get.
         self.shed = 0
-        #: Chunks failed at once: the store refused a new buffer's
-        #: registration (its metadata server down); the next load retries.
+        #: Chunks failed at once: a new buffer could not be made or the
+        #: store refused its registration; the next load retries.
         self.refused = 0
         self._warn = RateLimitedWarning(log)
         #: Loads read in spans of layers (`layer_spans`).
@@ -740,24 +740,24 @@ class LoadStaging:
         return got
 
     def _borrow(self) -> torch.Tensor | None:
-        """`_take` for a load: None, not an error, if registration fails.
+        """`_take` for a load: None, not an error, if a new buffer fails.
 
         A new buffer the store refuses to register (its metadata server
-        is down, as while the master restarts) is counted in `refused`
+        is down, as while the master restarts) or that cannot be made (a
+        dummy client's shared memory used up) is counted in `refused`
         with one rate-limited WARNING; the load fails and vLLM recomputes,
-        as for any store fault, and a later load registers a buffer again.
+        as for any store fault, and a later load makes a buffer again.
         """
         try:
             return self._take()
-        except StoreError as error:
+        except (StoreError, MemoryError) as error:
             with self._lock:
                 self.refused += 1
             self._warn.note(
-                "register",
+                "new-buffer",
                 1,
-                "a load staging buffer could not be registered with the "
-                "store (%s); the load is recomputed and a later one tries "
-                "again",
+                "a new load staging buffer could not be made or registered "
+                "(%s); the load is recomputed and a later one tries again",
                 error,
             )
             return None

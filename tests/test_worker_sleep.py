@@ -59,6 +59,53 @@ def make(store_client, unique, workers):
     return _make
 
 
+def kv_spans(h):
+    """(address, bytes) of each of the harness's KV tensors' storage."""
+    return [
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        for t in h.kv_caches.values()
+    ]
+
+
+def harness_maker(extra, harnesses):
+    """Makes harnesses of the connector over `extra`, closed at teardown."""
+    from harness import Harness  # noqa: PLC0415
+
+    def make():
+        h = Harness(CONNECTOR, extra_config=extra, num_blocks=40)
+        harnesses.append(h)
+        return h
+
+    return make
+
+
+class CallCounter:
+    """Wraps `obj.name`: the name of each caller's thread, in order."""
+
+    def __init__(self, obj, name):
+        self.threads = []
+        inner = getattr(obj, name)
+
+        def call(*args, **kwargs):
+            self.threads.append(threading.current_thread().name)
+            return inner(*args, **kwargs)
+
+        setattr(obj, name, call)
+
+
+def share_until_a_hit(a, b, bound_s=60.0):
+    """A computes fresh prompts and B asks for them until B loads one."""
+    end = time.monotonic() + bound_s
+    for i in range(60):
+        if b.external_hit_tokens or time.monotonic() > end:
+            break
+        a.add_request(f"a{i}", prompt(100 + i, 64), max_tokens=2)
+        run(a)
+        b.add_request(f"b{i}", [*prompt(100 + i, 64), 5], max_tokens=2)
+        run(b)
+        time.sleep(0.2)
+
+
 def test_suspend_lets_running_saves_end_then_cancels_until_resume(
     make, unique, store_client
 ):
@@ -113,20 +160,13 @@ def test_connector_unregisters_for_sleep_and_registers_after_wake_up(
     """Through vLLM's scheduler: asleep, nothing registered; awake, B
     loads what A saved after waking up, bytes checked by the harness."""
     pytest.importorskip("vllm")
-    from harness import Harness  # noqa: PLC0415
 
-    def make(**kwargs):
-        h = Harness(CONNECTOR, extra_config=extra, num_blocks=40, **kwargs)
-        harnesses.append(h)
-        return h
+    make = harness_maker(extra, harnesses)
 
     a = make()
     connector = a.worker_connector
     client = connector._client
-    spans = [
-        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        for t in a.kv_caches.values()
-    ]
+    spans = kv_spans(a)
     assert all(client.is_registered(*s) for s in spans)
     connector.unregister_kv_caches()
     connector.unregister_kv_caches()  # idempotent
@@ -162,10 +202,7 @@ def test_shutdown_keeps_the_memory_registered_while_a_transfer_is_stuck(
     connector = h.worker_connector
     worker = connector.worker_side
     client = connector._client
-    spans = [
-        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        for t in h.kv_caches.values()
-    ]
+    spans = kv_spans(h)
     gate = Gate(client, gets=False)
     worker._store = gate
     h.add_request("a", prompt(12, 64), max_tokens=2)
@@ -186,33 +223,6 @@ def test_shutdown_keeps_the_memory_registered_while_a_transfer_is_stuck(
     assert not any(client.is_registered(*s) for s in spans)
 
 
-class CallCounter:
-    """Wraps `obj.name`: the name of each caller's thread, in order."""
-
-    def __init__(self, obj, name):
-        self.threads = []
-        inner = getattr(obj, name)
-
-        def call(*args, **kwargs):
-            self.threads.append(threading.current_thread().name)
-            return inner(*args, **kwargs)
-
-        setattr(obj, name, call)
-
-
-def share_until_a_hit(a, b, bound_s=60.0):
-    """A computes fresh prompts and B asks for them until B loads one."""
-    end = time.monotonic() + bound_s
-    for i in range(60):
-        if b.external_hit_tokens or time.monotonic() > end:
-            break
-        a.add_request(f"a{i}", prompt(100 + i, 64), max_tokens=2)
-        run(a)
-        b.add_request(f"b{i}", [*prompt(100 + i, 64), 5], max_tokens=2)
-        run(b)
-        time.sleep(0.2)
-
-
 @pytest.mark.vllm
 def test_sleep_wake_and_shutdown_through_a_master_outage(
     start_master, unique, harnesses, monkeypatch, caplog
@@ -224,25 +234,18 @@ def test_sleep_wake_and_shutdown_through_a_master_outage(
     """
     pytest.importorskip("vllm")
     from connector.integration import vllm_connector  # noqa: PLC0415
-    from harness import Harness  # noqa: PLC0415
     from tests.connector_helpers import store_extra  # noqa: PLC0415
 
     monkeypatch.setattr(vllm_connector, "RESTORE_RETRY_S", 0.05)
     master = start_master(lease_ttl_ms=500, client_ttl_s=2)
     extra = store_extra(master, unique)
 
-    def make():
-        h = Harness(CONNECTOR, extra_config=extra, num_blocks=40)
-        harnesses.append(h)
-        return h
+    make = harness_maker(extra, harnesses)
 
     a = make()
     connector = a.worker_connector
     client = connector._client
-    spans = [
-        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        for t in a.kv_caches.values()
-    ]
+    spans = kv_spans(a)
     connector.unregister_kv_caches()
     assert not any(client.is_registered(*s) for s in spans)
     master.kill()

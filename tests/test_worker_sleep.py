@@ -285,3 +285,40 @@ def test_sleep_wake_and_shutdown_through_a_master_outage(
     assert len(kept) == 1, [r.message for r in caplog.records]
     assert all(client.is_registered(*s) for s in spans)  # Mooncake kept them
     master.restart()
+
+
+@pytest.mark.vllm
+def test_asleep_again_while_the_store_refuses_the_wake_up(
+    start_master, unique, harnesses, monkeypatch
+):
+    """Sleep mode asks to unregister while the restore thread still
+    retries: the thread stops, the worker stays suspended and nothing is
+    left registered; the next wake-up registers the KV cache again."""
+    pytest.importorskip("vllm")
+    from connector.integration import vllm_connector  # noqa: PLC0415
+    from tests.connector_helpers import store_extra  # noqa: PLC0415
+
+    monkeypatch.setattr(vllm_connector, "RESTORE_RETRY_S", 0.05)
+    master = start_master(lease_ttl_ms=500, client_ttl_s=2)
+    a = harness_maker(store_extra(master, unique), harnesses)()
+    connector = a.worker_connector
+    client = connector._client
+    spans = kv_spans(a)
+    connector.unregister_kv_caches()
+    master.kill()
+    connector.restore_kv_caches()  # refused: the retry thread starts
+    thread = connector._restorer.thread
+    assert thread.is_alive()
+    connector.unregister_kv_caches()  # asleep again, mid-restore
+    assert not thread.is_alive()
+    assert connector._restorer is None
+    master.restart()
+    time.sleep(0.5)  # no thread registers anything behind its back
+    assert connector.worker_side.suspended
+    assert not any(client.is_registered(*s) for s in spans)
+    end = time.monotonic() + 30
+    while connector.worker_side.suspended and time.monotonic() < end:
+        connector.restore_kv_caches()
+        time.sleep(0.2)
+    assert not connector.worker_side.suspended
+    assert all(client.is_registered(*s) for s in spans)

@@ -637,8 +637,9 @@ class MooncakeLifecycleConnector(KVConnectorBase_V1, SupportsHMA):
                 )
                 self._asleep = left
                 if refused is None:
-                    self._restorer = None
-                    self._woken(total)
+                    if not restorer.stop.is_set():  # not asleep again
+                        self._restorer = None
+                        self._woken(total)
                     return
 
     def _register_again(

@@ -8,12 +8,15 @@ then is SIGKILLed; a reader with no segment of its own gets them.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import multiprocessing
 import os
 import signal
+import socket
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 
@@ -250,6 +253,55 @@ def test_registered_regions_are_published_by_the_clients_engine(
             time.sleep(0.1)
         assert (out.data_ptr(), BLOCK) in buffers, (published, out.data_ptr())
         assert store_config.global_segment_size in {n for _, n in buffers}
+
+
+def _published(config, name: str) -> bool:
+    """Whether the metadata server holds segment ``name``'s descriptor."""
+    key = urllib.parse.quote(f"mooncake/ram/{name}", safe="")
+    try:
+        with urllib.request.urlopen(  # noqa: S310
+            f"{config.metadata_server}?key={key}", timeout=5
+        ):
+            return True
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return False
+        raise
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def test_a_closed_clients_name_is_not_reused_while_its_engine_lives(
+    store_config,
+):
+    """The port in a client's name stays held until its engine is gone.
+
+    An engine deletes its metadata entries only when destroyed; a port
+    released at ``close`` let a later client take the same name while a
+    closed, not yet collected client's engine lived, and that engine's
+    end then deleted the new client's descriptor (seen in CI: a region
+    registered by the new client vanished from its published segment).
+    """
+    client = StoreClient.open(store_config)
+    assert client.replica_reads
+    host, _, port = client.hostname.rpartition(":")
+    assert client.close()
+    assert not _port_free(host, int(port)), "port released at close"
+    del client
+    for _ in range(50):  # bounded: collected at once, or by the gc
+        gc.collect()
+        if _port_free(host, int(port)):
+            break
+        time.sleep(0.1)
+    assert _port_free(host, int(port)), "port still held after collection"
+    assert not _published(store_config, f"{host}:{port}")
 
 
 def test_without_an_engine_of_its_own_the_client_warns_and_works(

@@ -1519,6 +1519,8 @@ def _setup(
     string when Mooncake refused the engine object itself).
     """
     store, replicate = factory()
+    if reader is not None:
+        reader.attach(store)  # its engine's name outlives neither
     try:
         rc: int | str = store.setup(
             reader.name if reader is not None else hostname,

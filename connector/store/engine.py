@@ -14,13 +14,19 @@ records ``local_hostname`` (``ip:port``) as the transport endpoint of its
 segment, and a peer opens the segment by that name.  So the name gets an
 explicit port, held by a bound socket for the reader's lifetime (as
 Mooncake's own port binder does), and the same name is given to both.
+The port is held until the engine and every store set up on it are gone:
+an engine deletes its entries from the metadata server only when it is
+destroyed, so a port released earlier could give a later client the same
+name and have its entries deleted under it.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
@@ -132,19 +138,68 @@ def other_replica(
     return next((r for r in replicas if r.endpoint not in skip), None)
 
 
+class NameHold:
+    """The port of a segment name, held while any user of the name lives.
+
+    Users are Python objects (the transfer engine, each store set up on
+    it), tracked by weak reference: the socket closes when the last one
+    is collected, so the name cannot be handed to another client while
+    an engine that will delete its metadata entries still exists.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock: socket.socket | None = sock
+        self._users = 0
+        self._lock = threading.Lock()
+
+    @property
+    def port(self) -> int:
+        """The held port (0 once released)."""
+        sock = self._sock
+        return int(sock.getsockname()[1]) if sock is not None else 0
+
+    @property
+    def held(self) -> bool:
+        """Whether the port is still held."""
+        return self._sock is not None
+
+    def attach(self, user: object) -> None:
+        """Hold the port at least as long as ``user`` lives."""
+        with self._lock:
+            if self._sock is None:
+                return
+            self._users += 1
+        weakref.finalize(user, self._detach)
+
+    def release(self) -> None:
+        """Release the port now (no user ever took the name)."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+        _close(sock)
+
+    def _detach(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users > 0:
+                return
+        self.release()
+
+
 class ReplicaReader:
     """A transfer engine owned by a store client, for raw replica reads.
 
     Create with ``ReplicaReader.open``; hand ``inner`` to the store's
-    ``setup`` under ``name``; ``close`` after the store is closed.
+    ``setup`` under ``name`` and ``attach`` that store; ``close`` after
+    the store is closed.  The name's port stays held until the engine
+    and every attached store are collected (see the module docstring).
     """
 
-    def __init__(
-        self, engine: Any, name: str, hold: socket.socket | None
-    ) -> None:
+    def __init__(self, engine: Any, name: str, hold: NameHold | None) -> None:
         self._engine = engine
         self.name = name
         self._hold = hold
+        if hold is not None:
+            hold.attach(engine)
 
     @classmethod
     def open(
@@ -163,13 +218,13 @@ class ReplicaReader:
             OSError: no port could be held.
             RuntimeError: Mooncake's engine is missing or refused to start.
         """
-        hold: socket.socket | None = None
+        hold: NameHold | None = None
         _, sep, port = host.rpartition(":")
         if sep and port.isdigit():
             name = host
         else:
-            hold = _hold_port(host)
-            name = f"{host}:{hold.getsockname()[1]}"
+            hold = NameHold(_hold_port(host))
+            name = f"{host}:{hold.port}"
         try:
             from mooncake.engine import TransferEngine  # noqa: PLC0415
 
@@ -178,14 +233,14 @@ class ReplicaReader:
                 name, metadata_server, protocol, device_name
             )
         except ImportError as exc:
-            _close(hold)
+            _release(hold)
             msg = f"mooncake.engine is not importable: {exc}"
             raise RuntimeError(msg) from exc
         except BaseException:
-            _close(hold)
+            _release(hold)
             raise
         if rc != 0:
-            _close(hold)
+            _release(hold)
             msg = f"TransferEngine.initialize({name!r}, ...) returned {rc}"
             raise RuntimeError(msg)
         return cls(engine, name, hold)
@@ -263,15 +318,32 @@ class ReplicaReader:
                 ok[index] = False
         return running
 
+    def attach(self, store: object) -> None:
+        """Keep the name's port held while ``store`` (set up on it) lives."""
+        if self._hold is not None:
+            self._hold.attach(store)
+
+    @property
+    def port_held(self) -> bool:
+        """Whether this reader's name still holds its port."""
+        return self._hold is not None and self._hold.held
+
     def close(self) -> None:
-        """Release the held port (the engine goes with its last user)."""
-        _close(self._hold)
-        self._hold = None
+        """Drop this reader's engine (no read after it).
+
+        The engine goes with its last user; the port when it is gone.
+        """
+        self._engine = None
 
 
-def _close(hold: socket.socket | None) -> None:
+def _release(hold: NameHold | None) -> None:
     if hold is not None:
-        hold.close()
+        hold.release()
+
+
+def _close(sock: socket.socket | None) -> None:
+    if sock is not None:
+        sock.close()
 
 
 def _hold_port(host: str) -> socket.socket:

@@ -38,7 +38,13 @@ instead of a same-process copy, and ``dummy_pool``, where the engine's
 client is the pool's dummy client (``real_client_address``): the pool
 process copies each block into the engine's shared-memory staging.
 ``pool_hit_over_embedded`` and ``dummy_hit_over_embedded`` are their hit
-TTFT medians over the embedded row's, from the same run.
+TTFT medians over the embedded row's, from the same run.  A hit's TTFT
+includes its forward pass, which differs by several ms from one engine
+to the next, so each row also gives ``hit_load_phase_ms_median``: from
+the lifecycle trace, the ms from a hit's load being issued
+(``alloc_external``) to the worker reporting it (``load_done``), and
+``pool_load_phase_over_embedded`` / ``dummy_load_phase_over_embedded``
+compare those.
 
 ``--partial`` adds the partial-hit rows (issue 32): on two engines, one
 with asynchronous loads and one with layer-wise loads
@@ -92,7 +98,7 @@ from harness.extra_config import store_extra
 from harness.prompts import random_tokens
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
 SIZE = "large"
 BLOCK = 32
@@ -123,6 +129,7 @@ def _spec(
     segment: str | int = "1GB",
     real_client_address: str | None = None,
     layerwise: int = 0,
+    trace: str | None = None,
 ) -> EngineSpec:
     extra = store_extra(
         master,
@@ -131,6 +138,8 @@ def _spec(
         global_segment_size=segment,
         e2e_snapshot_dir=str(snapshots),
     )
+    if trace is not None:
+        extra["lifecycle_trace"] = trace
     if real_client_address is not None:
         extra["real_client_address"] = real_client_address
     if layerwise:
@@ -212,6 +221,7 @@ def measure_engine(
             tp=tp,
             segment=segment,
             real_client_address=address,
+            trace=str(snapshots / "trace-{pid}.jsonl"),
         )
         with EngineProcess(spec) as engine:
             info = dict(engine.info)
@@ -241,12 +251,39 @@ def measure_engine(
                 )
             snap = settle(engine, snapshots)
         workers = read_snapshots(snapshots, "worker")
+        # The first hit is rep -1's (the warm-up), not reported.
+        phases = load_phases(snapshots.glob("trace-*.jsonl"))[1:]
     return {
         "engine": info,
         "runs": runs,
+        "load_phase_ms": phases,
         "block_bytes": sum(w["block_bytes"] for w in workers),
         "illegal": snap["illegal"],
     }
+
+
+def load_phases(traces: Iterable[Path]) -> list[float]:
+    """Per loaded request, in order, ms from its load's start to its end.
+
+    From the scheduler's lifecycle trace: ``alloc_external`` (vLLM gave
+    the request its blocks and the load was issued) to ``load_done`` (the
+    worker reported it), so the whole load as the scheduler sees it
+    (the transfer, any copy into the KV cache, the step that reports
+    it) and none of the forward pass: engines differ by several ms in
+    their forward, which a hit's TTFT includes.
+    """
+    started: dict[str, float] = {}
+    phases: list[tuple[float, float]] = []
+    for path in traces:
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            req, name = event.get("req_id"), event.get("event")
+            if name == "alloc_external" and req not in started:
+                started[req] = event["time"]
+            elif name == "load_done" and req in started:
+                begun = started.pop(req)
+                phases.append((begun, (event["time"] - begun) * 1000))
+    return [round(ms, 2) for _, ms in sorted(phases)]
 
 
 def measure_partial(
@@ -355,6 +392,7 @@ def node_pool_row(
         "hit_load_s_median": statistics.median(r["load_s"] for r in runs),
         "cold_ttft_median_s": statistics.median(r["cold_s"] for r in runs),
         "hit_ttft_median_s": statistics.median(r["hit_s"] for r in runs),
+        "hit_load_phase_ms_median": _median(engine["load_phase_ms"]),
         "ttft_ratio": round(
             statistics.median(r["cold_s"] / r["hit_s"] for r in runs), 2
         ),
@@ -373,6 +411,7 @@ def tp_row(prompt_len: int, reps: int, threads: int, tp: int) -> Any:
         "engine_start_s": round(engine["engine"]["start_s"], 2),
         "cold_ttft_median_s": statistics.median(r["cold_s"] for r in runs),
         "hit_ttft_median_s": statistics.median(r["hit_s"] for r in runs),
+        "hit_load_phase_ms_median": _median(engine["load_phase_ms"]),
         "ttft_ratio": round(
             statistics.median(r["cold_s"] / r["hit_s"] for r in runs), 2
         ),
@@ -547,6 +586,7 @@ def run(
     )
     cold = statistics.median(r["cold_s"] for r in runs)
     hit = statistics.median(r["hit_s"] for r in runs)
+    phase = _median(engine["load_phase_ms"])
     ttft_ratio = statistics.median(r["cold_s"] / r["hit_s"] for r in runs)
     load_gbps = statistics.median(
         r["load_bytes"] / r["load_s"] / 1e9 for r in runs
@@ -595,12 +635,28 @@ def run(
             else None
         ),
         "hit_load_s_median": statistics.median(r["load_s"] for r in runs),
+        "hit_load_phase_ms_median": phase,
         "node_pool": pool_row,
         "dummy_pool": dummy_row,
         "pool_hit_over_embedded": _over(pool_row, hit),
         "dummy_hit_over_embedded": _over(dummy_row, hit),
+        "pool_load_phase_over_embedded": _over_phase(pool_row, phase),
+        "dummy_load_phase_over_embedded": _over_phase(dummy_row, phase),
         "elapsed_s": round(time.monotonic() - started, 1),
     }
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 2) if values else None
+
+
+def _over_phase(
+    row: dict[str, Any] | None, phase: float | None
+) -> float | None:
+    """A pool row's load phase median over the embedded one's."""
+    if row is None or not phase or row["hit_load_phase_ms_median"] is None:
+        return None
+    return round(float(row["hit_load_phase_ms_median"]) / phase, 3)
 
 
 def _over(row: dict[str, Any] | None, hit: float) -> float | None:

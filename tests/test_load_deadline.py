@@ -381,6 +381,63 @@ def test_staged_blocks_land_byte_exact_in_their_targets(
             store_client.unregister(p)
 
 
+def test_a_host_chunk_is_copied_in_by_one_native_call(
+    store_client, unique, monkeypatch
+):
+    """Into a host cache, each chunk's copies (a slice per run of slots
+    and blocks, per piece) go in one ``torch._foreach_copy_``: the copy
+    releases the GIL once, not once per slice (an engine's busy thread
+    took it at every release).  A key missing mid-run splits the run:
+    its block is left untouched, the others land byte for byte."""
+    source, target = kv_caches(seed=5), kv_caches(seed=6)
+    before = {name: t.clone() for name, t in target.items()}
+    targets = [3, 4, 5, 6, 9, 10, 11, 12]
+    sources = list(range(len(targets)))
+    keys = [f"{unique}-one-call-{i}" for i in sources]
+    wanted = [*keys[:2], f"{unique}-one-call-missing", *keys[3:]]
+    stored = [i for i in sources if i != 2]  # the third key misses
+    calls: list[int] = []
+    real = torch._foreach_copy_
+
+    def counted(dsts, srcs):
+        calls.append(len(dsts))
+        return real(dsts, srcs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    registered: list[int] = []
+    try:
+        _rows = store_blocks(store_client, source, sources, keys, registered)
+        staging = staging_for(store_client, target, 4, registered)
+        try:
+            flags = staging.load(
+                store_client, wanted, targets, Deadline.after(10)
+            )
+        finally:
+            staging.close()
+        assert flags == [i != 2 for i in sources]
+        pieces = len(staging._pieces)
+        # Two chunks of 4: runs (0-1, 3) then (4-7), per piece.
+        assert calls == [2 * pieces, 1 * pieces]
+        landed = [targets[i] for i in stored]
+        for name, t in target.items():
+            assert torch.equal(t[landed], source[name][stored])
+            others = [b for b in range(NUM_BLOCKS) if b not in landed]
+            assert torch.equal(t[others], before[name][others])
+    finally:
+        for p in registered:
+            store_client.unregister(p)
+
+
+def test_slot_runs_step_slots_and_blocks_together():
+    from connector.worker.deadline import slot_runs  # noqa: PLC0415
+
+    assert slot_runs([0, 1, 3], [3, 4, 6]) == [(0, 3, 2), (3, 6, 1)]
+    assert slot_runs([0, 1, 2], [9, 4, 5]) == [(0, 9, 1), (1, 4, 2)]
+    assert slot_runs([0, 1, 2], [5, 4, 6]) == [(0, 5, 1), (1, 4, 1), (2, 6, 1)]
+    assert slot_runs([0, 2], [7, 8]) == [(0, 7, 1), (2, 8, 1)]
+    assert slot_runs([], []) == []
+
+
 class _Overlap:
     """The store, but the first get waits (at most 5 s) for the second to
     start: `overlapped` says whether it did."""

@@ -449,6 +449,7 @@ class LoadStaging:
         self._made = 0
         self._held_late = 0
         self._runners = Runners("kv-lifecycle-get")
+        self._typed: dict[int, tuple[torch.Tensor, ...]] = {}
         #: Chunks given up at their deadline (their get still ran).
         self.late = 0
         #: Chunks failed at once: every buffer was held by a late get.
@@ -808,10 +809,13 @@ class LoadStaging:
         if not slots:
             return
         ops = self.ops
+        chosen = range(len(self._pieces)) if pieces is None else pieces
+        if ops.device.type == "cpu":
+            self._scatter_host(buffer, chunk, slots, chosen)
+            return
         k = len(slots)
         targets = [chunk[i] for i in slots]
         runs = block_runs(targets)
-        chosen = range(len(self._pieces)) if pieces is None else pieces
         lo = self._offsets[chosen[0]]
         hi = self._offsets[chosen[-1]] + self._pieces[chosen[-1]].nbytes
         with ops.side():
@@ -843,6 +847,81 @@ class LoadStaging:
                 for target, row, n in runs:  # consecutive blocks: a slice
                     view[target : target + n].copy_(part[row : row + n])
             ops.sync()
+
+    def _scatter_host(
+        self,
+        buffer: torch.Tensor,
+        chunk: list[int],
+        slots: list[int],
+        chosen: range,
+    ) -> None:
+        """`_scatter` into a host KV cache: one native call for it all.
+
+        Every copy of the chunk (a slice per run of slots and blocks, per
+        piece) goes in one ``torch._foreach_copy_``, which releases the
+        GIL once.  A copy per slice (as on a device) released it per
+        slice, and each time the engine's busy thread took it: measured
+        3-7 ms per 16 MiB chunk in the engine against about 1 ms alone.
+        Only slicing happens here (``__getitem__`` keeps the GIL); each
+        buffer's typed views are made once (`_typed_slots`).
+        """
+        import torch  # noqa: PLC0415 - torch only where blocks move
+
+        typed = self._typed_slots(buffer)
+        runs = slot_runs(slots, [chunk[i] for i in slots])
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for index in chosen:
+            view = self._pieces[index].view
+            rows = typed[index]
+            for slot, target, n in runs:
+                dsts.append(view[target : target + n])
+                srcs.append(rows[slot : slot + n])
+        torch._foreach_copy_(dsts, srcs)
+
+    def _typed_slots(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`typed_slots` of ``buffer``, cached by its address.
+
+        Buffers live as long as this object.
+        """
+        key = buffer.data_ptr()
+        typed = self._typed.get(key)
+        if typed is None:
+            typed = typed_slots(buffer, self._pieces, self._offsets)
+            self._typed[key] = typed
+        return typed
+
+
+def typed_slots(
+    buffer: torch.Tensor, pieces: Sequence[Piece], offsets: Sequence[int]
+) -> tuple[torch.Tensor, ...]:
+    """Each piece's view ``[slots, *block shape]`` of a staging buffer.
+
+    ``buffer`` is ``uint8 [slots, block_bytes]``, each slot one block with
+    its pieces at ``offsets``; slicing these views (``__getitem__``) keeps
+    the GIL, so a copy over many slices can be one native call.
+    """
+    return tuple(
+        buffer[:, offset : offset + piece.nbytes]
+        .view(piece.view.dtype)
+        .view(buffer.shape[0], *piece.view.shape[1:])
+        for piece, offset in zip(pieces, offsets, strict=True)
+    )
+
+
+def slot_runs(
+    slots: Sequence[int], targets: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """(first slot, first target, length) of each run where both step by 1."""
+    runs: list[tuple[int, int, int]] = []
+    for slot, target in zip(slots, targets, strict=True):
+        if runs:
+            first, start, n = runs[-1]
+            if first + n == slot and start + n == target:
+                runs[-1] = (first, start, n + 1)
+                continue
+        runs.append((slot, target, 1))
+    return runs
 
 
 def block_runs(targets: Sequence[int]) -> list[tuple[int, int, int]]:

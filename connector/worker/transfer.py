@@ -45,6 +45,8 @@ from connector.worker.deadline import (
     Deadline,
     LoadStaging,
     block_runs,
+    slot_runs,
+    typed_slots,
 )
 from connector.worker.pieces import (
     BlockStore,
@@ -542,6 +544,8 @@ class _Lane:
     buffer: torch.Tensor  # uint8 [slots, block_bytes]
     layout: KVLayout
     lock: threading.Lock = attrs.field(factory=threading.Lock)
+    typed: tuple[torch.Tensor, ...] | None = None
+    """`typed_slots` of `buffer`, made at the first host gather."""
 
     @property
     def slots(self) -> int:
@@ -716,6 +720,11 @@ class Staged:
         import torch
 
         ops, k = lane.ops, len(chunk)
+        if ops.device.type == "cpu" and not isinstance(fence, LayerWaits):
+            for mark in fence or (None,) * len(self._pieces):
+                ops.wait(mark)  # every mark is in: wait them all, then copy
+            self._gather_host(lane, chunk)
+            return
         rows = lane.buffer[:k]
         runs = block_runs(chunk)
         with ops.side():
@@ -752,6 +761,26 @@ class Staged:
             if not same:
                 rows.copy_(packed, non_blocking=True)
             ops.sync()
+
+    def _gather_host(self, lane: _Lane, chunk: list[int]) -> None:
+        """`_gather` from a host KV cache, its marks waited: one call.
+
+        Every slice copy (per run of consecutive ids, per piece) goes in
+        one ``torch._foreach_copy_``, releasing the GIL once instead of
+        once per slice (see `LoadStaging`'s host scatter).
+        """
+        import torch
+
+        if lane.typed is None:
+            lane.typed = typed_slots(lane.buffer, self._pieces, self._offsets)
+        runs = slot_runs(range(len(chunk)), chunk)
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for piece, rows in zip(self._pieces, lane.typed, strict=True):
+            for slot, first, n in runs:
+                dsts.append(rows[slot : slot + n])
+                srcs.append(piece.view[first : first + n])
+        torch._foreach_copy_(dsts, srcs)
 
 
 def open_transfer(

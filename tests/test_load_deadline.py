@@ -361,21 +361,34 @@ def test_staged_blocks_land_byte_exact_in_their_targets(
     before = {name: t.clone() for name, t in target.items()}
     sources = list(range(len(targets)))
     keys = [f"{unique}-staged-{i}" for i in sources]
+    flags, _ = load_staged(
+        store_client, source, target, keys, targets, slots=16
+    )
+    assert flags == [True] * len(targets)
+    for name, t in target.items():
+        assert torch.equal(t[targets], source[name][sources])
+        others = [b for b in range(NUM_BLOCKS) if b not in targets]
+        assert torch.equal(t[others], before[name][others])
+
+
+def load_staged(
+    store_client, source, target, keys, targets, *, slots, wanted=None
+):
+    """Store `source`'s blocks 0.. under `keys`, then load `wanted` (else
+    `keys`) through a host `LoadStaging` of `slots` into `targets` of
+    `target`.  Returns (the load's flags, the staging's piece count)."""
     registered: list[int] = []
     try:
+        sources = list(range(len(keys)))
         _rows = store_blocks(store_client, source, sources, keys, registered)
-        staging = staging_for(store_client, target, 16, registered)
+        staging = staging_for(store_client, target, slots, registered)
         try:
             flags = staging.load(
-                store_client, keys, targets, Deadline.after(10)
+                store_client, wanted or keys, targets, Deadline.after(10)
             )
         finally:
             staging.close()
-        assert flags == [True] * len(targets)
-        for name, t in target.items():
-            assert torch.equal(t[targets], source[name][sources])
-            others = [b for b in range(NUM_BLOCKS) if b not in targets]
-            assert torch.equal(t[others], before[name][others])
+        return flags, len(staging._pieces)
     finally:
         for p in registered:
             store_client.unregister(p)
@@ -404,28 +417,17 @@ def test_a_host_chunk_is_copied_in_by_one_native_call(
         return real(dsts, srcs)
 
     monkeypatch.setattr(torch, "_foreach_copy_", counted)
-    registered: list[int] = []
-    try:
-        _rows = store_blocks(store_client, source, sources, keys, registered)
-        staging = staging_for(store_client, target, 4, registered)
-        try:
-            flags = staging.load(
-                store_client, wanted, targets, Deadline.after(10)
-            )
-        finally:
-            staging.close()
-        assert flags == [i != 2 for i in sources]
-        pieces = len(staging._pieces)
-        # Two chunks of 4: runs (0-1, 3) then (4-7), per piece.
-        assert calls == [2 * pieces, 1 * pieces]
-        landed = [targets[i] for i in stored]
-        for name, t in target.items():
-            assert torch.equal(t[landed], source[name][stored])
-            others = [b for b in range(NUM_BLOCKS) if b not in landed]
-            assert torch.equal(t[others], before[name][others])
-    finally:
-        for p in registered:
-            store_client.unregister(p)
+    flags, pieces = load_staged(
+        store_client, source, target, keys, targets, slots=4, wanted=wanted
+    )
+    assert flags == [i != 2 for i in sources]
+    # Two chunks of 4: runs (0-1, 3) then (4-7), per piece.
+    assert calls == [2 * pieces, 1 * pieces]
+    landed = [targets[i] for i in stored]
+    for name, t in target.items():
+        assert torch.equal(t[landed], source[name][stored])
+        others = [b for b in range(NUM_BLOCKS) if b not in landed]
+        assert torch.equal(t[others], before[name][others])
 
 
 def test_slot_runs_step_slots_and_blocks_together():

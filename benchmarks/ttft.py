@@ -640,8 +640,12 @@ def run(
         "dummy_pool": dummy_row,
         "pool_hit_over_embedded": _over(pool_row, hit),
         "dummy_hit_over_embedded": _over(dummy_row, hit),
-        "pool_load_phase_over_embedded": _over_phase(pool_row, phase),
-        "dummy_load_phase_over_embedded": _over_phase(dummy_row, phase),
+        "pool_load_phase_over_embedded": _over(
+            pool_row, phase, "hit_load_phase_ms_median"
+        ),
+        "dummy_load_phase_over_embedded": _over(
+            dummy_row, phase, "hit_load_phase_ms_median"
+        ),
         "elapsed_s": round(time.monotonic() - started, 1),
     }
 
@@ -650,20 +654,18 @@ def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 2) if values else None
 
 
-def _over_phase(
-    row: dict[str, Any] | None, phase: float | None
+def _over(
+    row: dict[str, Any] | None,
+    base: float | None,
+    key: str = "hit_ttft_median_s",
 ) -> float | None:
-    """A pool row's load phase median over the embedded one's."""
-    if row is None or not phase or row["hit_load_phase_ms_median"] is None:
-        return None
-    return round(float(row["hit_load_phase_ms_median"]) / phase, 3)
+    """A pool row's median ``key`` over the embedded one's, ``base``.
 
-
-def _over(row: dict[str, Any] | None, hit: float) -> float | None:
-    """A pool row's hit TTFT median over the embedded one's (None: no row)."""
-    if row is None or hit <= 0:
+    None without a row or either median.
+    """
+    if row is None or not base or base <= 0 or row[key] is None:
         return None
-    return round(float(row["hit_ttft_median_s"]) / hit, 3)
+    return round(float(row[key]) / base, 3)
 
 
 def _hybrid_doc(

@@ -158,11 +158,6 @@ class NameHold:
         sock = self._sock
         return int(sock.getsockname()[1]) if sock is not None else 0
 
-    @property
-    def held(self) -> bool:
-        """Whether the port is still held."""
-        return self._sock is not None
-
     def attach(self, user: object) -> None:
         """Hold the port at least as long as ``user`` lives."""
         with self._lock:
@@ -322,11 +317,6 @@ class ReplicaReader:
         """Keep the name's port held while ``store`` (set up on it) lives."""
         if self._hold is not None:
             self._hold.attach(store)
-
-    @property
-    def port_held(self) -> bool:
-        """Whether this reader's name still holds its port."""
-        return self._hold is not None and self._hold.held
 
     def close(self) -> None:
         """Drop this reader's engine (no read after it).

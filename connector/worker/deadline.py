@@ -855,29 +855,18 @@ class LoadStaging:
         slots: list[int],
         chosen: range,
     ) -> None:
-        """`_scatter` into a host KV cache: one native call for it all.
+        """`_scatter` into a host KV cache: one native call (`copy_runs`).
 
-        Every copy of the chunk (a slice per run of slots and blocks, per
-        piece) goes in one ``torch._foreach_copy_``, which releases the
-        GIL once.  A copy per slice (as on a device) released it per
-        slice, and each time the engine's busy thread took it: measured
-        3-7 ms per 16 MiB chunk in the engine against about 1 ms alone.
-        Only slicing happens here (``__getitem__`` keeps the GIL); each
-        buffer's typed views are made once (`_typed_slots`).
+        Every copy of the chunk is a slice per run of slots and blocks,
+        per piece; each buffer's typed views are made once
+        (`_typed_slots`).
         """
-        import torch  # noqa: PLC0415 - torch only where blocks move
-
         typed = self._typed_slots(buffer)
-        runs = slot_runs(slots, [chunk[i] for i in slots])
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        for index in chosen:
-            view = self._pieces[index].view
-            rows = typed[index]
-            for slot, target, n in runs:
-                dsts.append(view[target : target + n])
-                srcs.append(rows[slot : slot + n])
-        torch._foreach_copy_(dsts, srcs)
+        copy_runs(
+            [self._pieces[i].view for i in chosen],
+            [typed[i] for i in chosen],
+            slot_runs(slots, [chunk[i] for i in slots]),
+        )
 
     def _typed_slots(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`typed_slots` of ``buffer``, cached by its address.
@@ -909,6 +898,30 @@ def typed_slots(
     )
 
 
+def copy_runs(
+    dsts: Sequence[torch.Tensor],
+    srcs: Sequence[torch.Tensor],
+    runs: Sequence[tuple[int, int, int]],
+) -> None:
+    """Copy each run ``(s, d, n)`` of rows of every pair, in one call.
+
+    Rows ``srcs[i][s : s + n]`` go into ``dsts[i][d : d + n]``.  One
+    ``torch._foreach_copy_`` releases the GIL once; a ``copy_`` per slice
+    released it per slice, and an engine's busy thread took it each time
+    (3-7 ms per 16 MiB chunk in an engine against about 1 ms alone).
+    The slices are ``__getitem__``, which keeps the GIL.
+    """
+    import torch  # noqa: PLC0415 - torch only where blocks move
+
+    into: list[torch.Tensor] = []
+    out_of: list[torch.Tensor] = []
+    for dst, src in zip(dsts, srcs, strict=True):
+        for s, d, n in runs:
+            into.append(dst[d : d + n])
+            out_of.append(src[s : s + n])
+    torch._foreach_copy_(into, out_of)
+
+
 def slot_runs(
     slots: Sequence[int], targets: Sequence[int]
 ) -> list[tuple[int, int, int]]:
@@ -926,14 +939,8 @@ def slot_runs(
 
 def block_runs(targets: Sequence[int]) -> list[tuple[int, int, int]]:
     """(first target, first row, length) of each run of consecutive ids."""
-    runs: list[tuple[int, int, int]] = []
-    for row, target in enumerate(targets):
-        if runs and runs[-1][0] + runs[-1][2] == target:
-            first, start, n = runs[-1]
-            runs[-1] = (first, start, n + 1)
-        else:
-            runs.append((target, row, 1))
-    return runs
+    rows = range(len(targets))
+    return [(t, r, n) for r, t, n in slot_runs(rows, targets)]
 
 
 def _slot_pieces(

@@ -45,7 +45,7 @@ from connector.worker.deadline import (
     Deadline,
     LoadStaging,
     block_runs,
-    slot_runs,
+    copy_runs,
     typed_slots,
 )
 from connector.worker.pieces import (
@@ -720,13 +720,18 @@ class Staged:
         import torch
 
         ops, k = lane.ops, len(chunk)
+        runs = block_runs(chunk)
+        marks: Iterable[Any] = (
+            fence.marks()
+            if isinstance(fence, LayerWaits)
+            else fence or (None,) * len(self._pieces)
+        )
         if ops.device.type == "cpu" and not isinstance(fence, LayerWaits):
-            for mark in fence or (None,) * len(self._pieces):
+            for mark in marks:
                 ops.wait(mark)  # every mark is in: wait them all, then copy
-            self._gather_host(lane, chunk)
+            self._gather_host(lane, runs)
             return
         rows = lane.buffer[:k]
-        runs = block_runs(chunk)
         with ops.side():
             ids = None
             if len(runs) * RUN_COPY_RATIO > k:  # scattered: one gather
@@ -740,11 +745,6 @@ class Staged:
                 else torch.empty(
                     (k, self.block_bytes), dtype=torch.uint8, device=ops.device
                 )
-            )
-            marks: Iterable[Any] = (
-                fence.marks()
-                if isinstance(fence, LayerWaits)
-                else fence or (None,) * len(self._pieces)
             )
             for piece, offset, mark in zip(
                 self._pieces, self._offsets, marks, strict=True
@@ -762,25 +762,17 @@ class Staged:
                 rows.copy_(packed, non_blocking=True)
             ops.sync()
 
-    def _gather_host(self, lane: _Lane, chunk: list[int]) -> None:
+    def _gather_host(
+        self, lane: _Lane, runs: list[tuple[int, int, int]]
+    ) -> None:
         """`_gather` from a host KV cache, its marks waited: one call.
 
         Every slice copy (per run of consecutive ids, per piece) goes in
-        one ``torch._foreach_copy_``, releasing the GIL once instead of
-        once per slice (see `LoadStaging`'s host scatter).
+        one native call (`copy_runs`), as `LoadStaging`'s host scatter.
         """
-        import torch
-
         if lane.typed is None:
             lane.typed = typed_slots(lane.buffer, self._pieces, self._offsets)
-        runs = slot_runs(range(len(chunk)), chunk)
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        for piece, rows in zip(self._pieces, lane.typed, strict=True):
-            for slot, first, n in runs:
-                dsts.append(rows[slot : slot + n])
-                srcs.append(piece.view[first : first + n])
-        torch._foreach_copy_(dsts, srcs)
+        copy_runs(lane.typed, [p.view for p in self._pieces], runs)
 
 
 def open_transfer(

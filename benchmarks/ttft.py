@@ -44,7 +44,14 @@ to the next, so each row also gives ``hit_load_phase_ms_median``: from
 the lifecycle trace, the ms from a hit's load being issued
 (``alloc_external``) to the worker reporting it (``load_done``), and
 ``pool_load_phase_over_embedded`` / ``dummy_load_phase_over_embedded``
-compare those.
+compare those.  The embedded row is that mode's best case (one engine
+alone, every block in its own segment); ``embedded_beside_peer`` is the
+embedded engine with a second segment of the same size on the node (a
+``mooncake_client``, as a second engine would have): Mooncake spreads the
+saves over both, so about half of a hit's blocks cross the transfer
+engine.  ``dummy_hit_over_embedded_beside_peer`` and
+``dummy_load_phase_over_embedded_beside_peer`` compare the dummy row with
+it; ``peer_*_over_embedded`` compare it with the main row.
 
 ``--partial`` adds the partial-hit rows (issue 32): on two engines, one
 with asynchronous loads and one with layer-wise loads
@@ -185,13 +192,17 @@ def measure_engine(
     tp: int = 1,
     node_pool: bool = False,
     dummy: bool = False,
+    peer_segment: bool = False,
 ) -> dict[str, Any]:
     """Cold and hit TTFT on one engine; the hits' load bandwidth.
 
     ``node_pool``: the engine contributes no segment; a node-level
     ``mooncake_client`` (``connector.ops.procs.NodePool``) owns the pool.
     ``dummy`` (with ``node_pool``): the engine's client is the pool's
-    dummy client (``real_client_address``).
+    dummy client (``real_client_address``).  ``peer_segment``: the
+    engine keeps its own segment (the embedded mode) and a
+    ``mooncake_client`` beside it holds one of the same size, as a second
+    engine on the node would: Mooncake spreads the saves over both.
     """
     runs: list[dict[str, Any]] = []
     with (
@@ -202,13 +213,14 @@ def measure_engine(
         snapshots = Path(tmp)
         segment: str | int = "1GB"
         address = None
-        if node_pool:
+        if node_pool or peer_segment:
             pool = NodePool(
                 master_server_address=master.rpc_address,
                 metadata_server=master.metadata_server,
                 global_segment_size=1024 * 1024 * 1024,
             )
             stack.enter_context(pool)
+        if node_pool:
             segment = 0
             address = pool.address if dummy else None
         spec = _spec(
@@ -386,9 +398,26 @@ def node_pool_row(
     engine = measure_engine(
         prompt_len, reps, threads, mp=False, node_pool=True, dummy=dummy
     )
+    return _side_row(engine, "dummy" if dummy else "transfer engine")
+
+
+def peer_row(prompt_len: int, reps: int, threads: int) -> Any:
+    """Cold and hit TTFT embedded, beside a second segment on the node.
+
+    The embedded mode as two engines on one node run it: about half of a
+    hit's blocks sit in the other segment and cross the transfer engine.
+    """
+    engine = measure_engine(
+        prompt_len, reps, threads, mp=False, peer_segment=True
+    )
+    return _side_row(engine, "transfer engine, own segment and a peer's")
+
+
+def _side_row(engine: dict[str, Any], client: str) -> dict[str, Any]:
+    """The medians of an engine beside the main row."""
     runs = engine["runs"]
     return {
-        "client": "dummy" if dummy else "transfer engine",
+        "client": client,
         "hit_load_s_median": statistics.median(r["load_s"] for r in runs),
         "cold_ttft_median_s": statistics.median(r["cold_s"] for r in runs),
         "hit_ttft_median_s": statistics.median(r["hit_s"] for r in runs),
@@ -567,6 +596,7 @@ def run(
         if node_pool
         else None
     )
+    beside = peer_row(prompt_len, reps, threads) if node_pool else None
     engine = measure_engine(prompt_len, reps, threads, mp=mp, size=size)
     if size in HYBRIDS:
         return _hybrid_doc(
@@ -646,6 +676,17 @@ def run(
         "dummy_load_phase_over_embedded": _over(
             dummy_row, phase, "hit_load_phase_ms_median"
         ),
+        "embedded_beside_peer": beside,
+        "peer_hit_over_embedded": _over(beside, hit),
+        "peer_load_phase_over_embedded": _over(
+            beside, phase, "hit_load_phase_ms_median"
+        ),
+        "dummy_hit_over_embedded_beside_peer": _over_row(
+            dummy_row, beside, "hit_ttft_median_s"
+        ),
+        "dummy_load_phase_over_embedded_beside_peer": _over_row(
+            dummy_row, beside, "hit_load_phase_ms_median"
+        ),
         "elapsed_s": round(time.monotonic() - started, 1),
     }
 
@@ -666,6 +707,13 @@ def _over(
     if row is None or not base or base <= 0 or row[key] is None:
         return None
     return round(float(row[key]) / base, 3)
+
+
+def _over_row(
+    row: dict[str, Any] | None, base: dict[str, Any] | None, key: str
+) -> float | None:
+    """`_over` with the base read from another row (None without it)."""
+    return _over(row, None if base is None else base[key], key)
 
 
 def _hybrid_doc(
@@ -727,8 +775,10 @@ def main(argv: list[str] | None = None) -> int:
         help="add two rows with the pool in a node-level mooncake_client "
         "(the engine contributes no segment; node_pool: its client moves "
         "the bytes over the transfer engine; dummy_pool: its client is the "
-        "pool's dummy, the pool process copies through shared memory); "
-        "both run before the main row",
+        "pool's dummy, the pool process copies through shared memory), "
+        "and embedded_beside_peer (the embedded engine with a second "
+        "segment on the node, as two engines have); all run before the "
+        "main row",
     )
     parser.add_argument(
         "--partial",

@@ -36,3 +36,21 @@ def test_load_phases_time_each_load_from_issue_to_report(tmp_path):
     )
     phases = load_phases(sorted(tmp_path.glob("trace-*.jsonl")))
     assert phases == [9.0, 12.5]
+
+
+def test_row_ratios_are_a_rows_median_over_another():
+    """``*_over_embedded`` divide by the main row's median and
+    ``*_over_embedded_beside_peer`` by the peer row's; a missing row or
+    median gives None, never a division error."""
+    from benchmarks.ttft import _over, _over_row  # noqa: PLC0415
+
+    dummy = {"hit_ttft_median_s": 0.072, "hit_load_phase_ms_median": 12.8}
+    peer = {"hit_ttft_median_s": 0.087, "hit_load_phase_ms_median": 30.2}
+    assert _over(dummy, 0.064) == 1.125
+    assert _over(dummy, 8.0, "hit_load_phase_ms_median") == 1.6
+    key = "hit_load_phase_ms_median"
+    assert _over_row(dummy, peer, key) == round(12.8 / 30.2, 3)
+    assert _over_row(dummy, None, key) is None
+    assert _over_row(None, peer, key) is None
+    assert _over_row(dummy, {**peer, key: None}, key) is None
+    assert _over({**dummy, key: None}, 8.0, key) is None

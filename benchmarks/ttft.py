@@ -415,29 +415,31 @@ def peer_row(prompt_len: int, reps: int, threads: int) -> Any:
 
 def _side_row(engine: dict[str, Any], client: str) -> dict[str, Any]:
     """The medians of an engine beside the main row."""
-    runs = engine["runs"]
     return {
         "client": client,
-        "hit_load_s_median": statistics.median(r["load_s"] for r in runs),
-        "cold_ttft_median_s": statistics.median(r["cold_s"] for r in runs),
-        "hit_ttft_median_s": statistics.median(r["hit_s"] for r in runs),
-        "hit_load_phase_ms_median": _median(engine["load_phase_ms"]),
-        "ttft_ratio": round(
-            statistics.median(r["cold_s"] / r["hit_s"] for r in runs), 2
+        "hit_load_s_median": statistics.median(
+            r["load_s"] for r in engine["runs"]
         ),
-        "hit_tokens": runs[0]["hit_tokens"],
-        "all_same_tokens": all(r["same_tokens"] for r in runs),
-        "illegal": engine["illegal"],
+        **_engine_medians(engine),
     }
 
 
 def tp_row(prompt_len: int, reps: int, threads: int, tp: int) -> Any:
     """Cold and hit TTFT on an engine of `tp` ranks."""
     engine = measure_engine(prompt_len, reps, threads, mp=True, tp=tp)
-    runs = engine["runs"]
     return {
         "tp": tp,
         "engine_start_s": round(engine["engine"]["start_s"], 2),
+        "block_bytes_all_ranks": engine["block_bytes"],
+        **_engine_medians(engine),
+    }
+
+
+def _engine_medians(engine: dict[str, Any]) -> dict[str, Any]:
+    """TTFT and load-phase medians, tokens and illegal orderings of a
+    `measure_engine` result: the keys every row beside the main one has."""
+    runs = engine["runs"]
+    return {
         "cold_ttft_median_s": statistics.median(r["cold_s"] for r in runs),
         "hit_ttft_median_s": statistics.median(r["hit_s"] for r in runs),
         "hit_load_phase_ms_median": _median(engine["load_phase_ms"]),
@@ -446,7 +448,6 @@ def tp_row(prompt_len: int, reps: int, threads: int, tp: int) -> Any:
         ),
         "hit_tokens": runs[0]["hit_tokens"],
         "all_same_tokens": all(r["same_tokens"] for r in runs),
-        "block_bytes_all_ranks": engine["block_bytes"],
         "illegal": engine["illegal"],
     }
 

@@ -1,4 +1,5 @@
-"""`benchmarks.ttft`'s load phase, read from a lifecycle trace."""
+"""`benchmarks.ttft`'s load phase (read from a lifecycle trace) and its
+row-over-row ratios."""
 
 from __future__ import annotations
 

@@ -137,6 +137,7 @@ def _spec(
     real_client_address: str | None = None,
     layerwise: int = 0,
     trace: str | None = None,
+    placement: str | None = None,
 ) -> EngineSpec:
     extra = store_extra(
         master,
@@ -149,6 +150,8 @@ def _spec(
         extra["lifecycle_trace"] = trace
     if real_client_address is not None:
         extra["real_client_address"] = real_client_address
+    if placement is not None:
+        extra["placement"] = placement
     if layerwise:
         extra["layerwise_load_max_blocks"] = layerwise
     blocks = prompt_len // BLOCK + 2
@@ -193,6 +196,7 @@ def measure_engine(
     node_pool: bool = False,
     dummy: bool = False,
     peer_segment: bool = False,
+    placement: str | None = None,
 ) -> dict[str, Any]:
     """Cold and hit TTFT on one engine; the hits' load bandwidth.
 
@@ -202,7 +206,9 @@ def measure_engine(
     dummy client (``real_client_address``).  ``peer_segment``: the
     engine keeps its own segment (the embedded mode) and a
     ``mooncake_client`` beside it holds one of the same size, as a second
-    engine on the node would: Mooncake spreads the saves over both.
+    engine on the node would.  ``placement``: the engine's
+    ``placement`` (None: the default, its own segment first; ``spread``:
+    Mooncake spreads the saves over both segments).
     """
     runs: list[dict[str, Any]] = []
     with (
@@ -234,6 +240,7 @@ def measure_engine(
             segment=segment,
             real_client_address=address,
             trace=str(snapshots / "trace-{pid}.jsonl"),
+            placement=placement,
         )
         with EngineProcess(spec) as engine:
             info = dict(engine.info)
@@ -401,16 +408,27 @@ def node_pool_row(
     return _side_row(engine, "dummy" if dummy else "transfer engine")
 
 
-def peer_row(prompt_len: int, reps: int, threads: int) -> Any:
+def peer_row(
+    prompt_len: int, reps: int, threads: int, placement: str | None = None
+) -> Any:
     """Cold and hit TTFT embedded, beside a second segment on the node.
 
-    The embedded mode as two engines on one node run it: about half of a
-    hit's blocks sit in the other segment and cross the transfer engine.
+    The embedded mode as two engines on one node run it.  By default the
+    engine's saves go to its own segment first, so its hits stay
+    same-process copies; with ``placement="spread"`` Mooncake spreads
+    them over both segments, and about half of a hit's blocks cross the
+    transfer engine.
     """
     engine = measure_engine(
-        prompt_len, reps, threads, mp=False, peer_segment=True
+        prompt_len,
+        reps,
+        threads,
+        mp=False,
+        peer_segment=True,
+        placement=placement,
     )
-    return _side_row(engine, "transfer engine, own segment and a peer's")
+    where = "spread over both" if placement == "spread" else "own first"
+    return _side_row(engine, f"transfer engine, saves {where}")
 
 
 def _side_row(engine: dict[str, Any], client: str) -> dict[str, Any]:
@@ -598,6 +616,11 @@ def run(
         else None
     )
     beside = peer_row(prompt_len, reps, threads) if node_pool else None
+    spread = (
+        peer_row(prompt_len, reps, threads, placement="spread")
+        if node_pool
+        else None
+    )
     engine = measure_engine(prompt_len, reps, threads, mp=mp, size=size)
     if size in HYBRIDS:
         return _hybrid_doc(
@@ -687,6 +710,14 @@ def run(
         ),
         "dummy_load_phase_over_embedded_beside_peer": _over_row(
             dummy_row, beside, "hit_load_phase_ms_median"
+        ),
+        "embedded_beside_peer_spread": spread,
+        "peer_spread_hit_over_embedded": _over(spread, hit),
+        "peer_spread_load_phase_over_embedded": _over(
+            spread, phase, "hit_load_phase_ms_median"
+        ),
+        "peer_spread_load_phase_over_peer": _over_row(
+            spread, beside, "hit_load_phase_ms_median"
         ),
         "elapsed_s": round(time.monotonic() - started, 1),
     }
@@ -778,8 +809,9 @@ def main(argv: list[str] | None = None) -> int:
         "the bytes over the transfer engine; dummy_pool: its client is the "
         "pool's dummy, the pool process copies through shared memory), "
         "and embedded_beside_peer (the embedded engine with a second "
-        "segment on the node, as two engines have); all run before the "
-        "main row",
+        "segment on the node, as two engines have; its saves go to its "
+        "own segment first) and embedded_beside_peer_spread (the same "
+        "with placement: spread); all run before the main row",
     )
     parser.add_argument(
         "--partial",

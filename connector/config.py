@@ -42,6 +42,7 @@ from connector.config_values import (
     check_medium,
     check_metadata_server,
     check_namespace,
+    check_placement,
     check_protocol,
     check_real_client_address,
     check_segment,
@@ -176,6 +177,21 @@ class StoreConfig:
             "Memory this worker contributes to the pool; ``0`` is a pure "
             'client. Ints or strings (``"32GB"`` is 32 GiB, as in vLLM).',
             parse_size,
+        ),
+    )
+    placement: str = attrs.field(
+        default="local",
+        validator=[of_type(str), check_placement],
+        metadata=key_help(
+            "Where this client's puts go. ``local``: its own segment "
+            "first (Mooncake's ``preferred_segment``), the other segments "
+            "once it is full, so a hit of the worker's own blocks is a "
+            "copy inside its process. ``spread``: Mooncake's placement, "
+            "over every segment (with several engines on a node, about "
+            "half of a hit's blocks then cross the transfer engine). "
+            "Only a client with ``global_segment_size`` > 0 has a segment "
+            "to prefer; the others leave placement to Mooncake.",
+            coerce_str,
         ),
     )
     local_buffer_size: int = attrs.field(

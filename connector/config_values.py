@@ -22,6 +22,7 @@ __all__ = [
     "ETCD_SCHEME",
     "LOG_LEVELS",
     "MIN_SEGMENT",
+    "PLACEMENTS",
     "PROTOCOLS",
     "Coerce",
     "GiB",
@@ -36,6 +37,7 @@ __all__ = [
     "check_master_address",
     "check_metadata_server",
     "check_namespace",
+    "check_placement",
     "check_protocol",
     "check_segment",
     "coerce_int",
@@ -80,6 +82,7 @@ _SIZE_RE: Final = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 PROTOCOLS: Final = frozenset({"tcp", "rdma", "efa", "cxl", "nvlink", "ascend"})
 LOG_LEVELS: Final = frozenset({"TRACE", "INFO", "WARNING", "ERROR"})
+PLACEMENTS: Final = frozenset({"local", "spread"})
 _METADATA_SCHEMES: Final = frozenset({"http", "https", "etcd", "redis"})
 
 
@@ -318,6 +321,15 @@ def check_protocol(_: object, field: attrs.Attribute[str], value: str) -> None:
     """One of ``PROTOCOLS``."""
     if value not in PROTOCOLS:
         reason = f"expected one of {sorted(PROTOCOLS)}"
+        raise ConfigError(field.name, value, reason)
+
+
+def check_placement(
+    _: object, field: attrs.Attribute[str], value: str
+) -> None:
+    """One of ``PLACEMENTS``."""
+    if value not in PLACEMENTS:
+        reason = f"expected one of {sorted(PLACEMENTS)}"
         raise ConfigError(field.name, value, reason)
 
 

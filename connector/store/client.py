@@ -288,9 +288,11 @@ class StoreClient:
             raise StoreUnavailable(
                 address, rc if isinstance(rc, int) else None, reason
             )
+        local = _prefer_own_segment(config, store, replicate)
         log.info(
             "Mooncake store client %s connected to %s in %.2f s "
-            "(segment %d B, protocol %s, namespace %r, tenant %r%s%s)",
+            "(segment %d B, protocol %s, namespace %r, tenant %r, puts %s"
+            "%s%s)",
             store.get_hostname(),
             address,
             time.monotonic() - started,
@@ -298,6 +300,7 @@ class StoreClient:
             config.protocol,
             config.namespace,
             config.tenant_id,
+            "own segment first" if local else "spread by Mooncake",
             ", SSD tier on" if config.enable_ssd_offload else "",
             ", replica reads on" if reader is not None else "",
         )
@@ -1542,3 +1545,21 @@ def _setup(
             raise
         rc = f"{type(exc).__name__}: {exc}"
     return store, replicate, rc
+
+
+def _prefer_own_segment(
+    config: StoreConfig, store: MooncakeStore, replicate: Any
+) -> bool:
+    """With ``placement: local``, puts prefer this client's own segment.
+
+    Sets ``preferred_segment`` of the replicate config every put passes
+    (Mooncake falls back to the other segments once that one is full).
+    Whether it was set: not for ``spread``, a client without a segment,
+    or a replicate config without the field (an older wheel, a fake).
+    """
+    if config.placement != "local" or config.global_segment_size <= 0:
+        return False
+    if replicate is None or not hasattr(replicate, "preferred_segment"):
+        return False
+    replicate.preferred_segment = store.get_hostname()
+    return True

@@ -42,6 +42,7 @@ BAD_VALUES = {
     "metadata_server": "ftp://host/metadata",
     "cluster_id": "no spaces allowed",
     "protocol": "udp",
+    "placement": "nearby",
     "device_name": 5,
     "global_segment_size": "8MiB",  # Mooncake's setup() fails under 16 MiB
     "local_buffer_size": "2TiB",

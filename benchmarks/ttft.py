@@ -47,9 +47,11 @@ the lifecycle trace, the ms from a hit's load being issued
 compare those.  The embedded row is that mode's best case (one engine
 alone, every block in its own segment); ``embedded_beside_peer`` is the
 embedded engine with a second segment of the same size on the node (a
-``mooncake_client``, as a second engine would have): Mooncake spreads the
-saves over both, so about half of a hit's blocks cross the transfer
-engine.  ``dummy_hit_over_embedded_beside_peer`` and
+``mooncake_client``, as a second engine would have), whose saves go to
+its own segment first (``placement: local``, the default);
+``embedded_beside_peer_spread`` is the same with ``placement: spread``:
+Mooncake spreads the saves over both segments, so about half of a hit's
+blocks cross the transfer engine.  ``dummy_hit_over_embedded_beside_peer`` and
 ``dummy_load_phase_over_embedded_beside_peer`` compare the dummy row with
 it; ``peer_*_over_embedded`` compare it with the main row.
 

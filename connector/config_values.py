@@ -52,6 +52,7 @@ __all__ = [
     "master_endpoints",
     "not_negative",
     "of_type",
+    "one_of",
     "parse_size",
     "positive",
 ]
@@ -317,20 +318,22 @@ def check_metadata_server(
         raise ConfigError(key, value, "the URL has no host")
 
 
-def check_protocol(_: object, field: attrs.Attribute[str], value: str) -> None:
-    """One of ``PROTOCOLS``."""
-    if value not in PROTOCOLS:
-        reason = f"expected one of {sorted(PROTOCOLS)}"
-        raise ConfigError(field.name, value, reason)
+def one_of(values: frozenset[str]) -> Validator:
+    """Attrs validator: the value is one of ``values``."""
+    reason = f"expected one of {sorted(values)}"
+
+    def check(_: object, field: attrs.Attribute[Any], value: object) -> None:
+        if value not in values:
+            raise ConfigError(field.name, value, reason)
+
+    return check
 
 
-def check_placement(
-    _: object, field: attrs.Attribute[str], value: str
-) -> None:
-    """One of ``PLACEMENTS``."""
-    if value not in PLACEMENTS:
-        reason = f"expected one of {sorted(PLACEMENTS)}"
-        raise ConfigError(field.name, value, reason)
+check_protocol: Final = one_of(PROTOCOLS)
+"""One of ``PROTOCOLS``."""
+
+check_placement: Final = one_of(PLACEMENTS)
+"""One of ``PLACEMENTS``."""
 
 
 def check_segment(_: object, field: attrs.Attribute[int], value: int) -> None:

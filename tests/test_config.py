@@ -638,3 +638,18 @@ def test_built_in_vllm_keys_are_named_at_info_never_warned(caplog):
         named = record.getMessage().rpartition("no effect: ")[2].split(", ")
         assert named == sorted(VLLM_BUILT_IN_KEYS)
     assert not VLLM_BUILT_IN_KEYS & VLLM_UNIMPLEMENTED_KEYS
+
+
+def test_placement_is_validated_and_read_from_config():
+    base = {
+        "master_server_address": "127.0.0.1:50051",
+        "metadata_server": "http://127.0.0.1:8080/metadata",
+    }
+    assert StoreConfig.from_mapping(base).placement == "local"
+    spread = StoreConfig.from_mapping({**base, "placement": "spread"})
+    assert spread.placement == "spread"
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig.from_mapping({**base, "placement": "nearby"})
+    assert caught.value.key == "placement"
+    assert "local" in str(caught.value)
+    assert "spread" in str(caught.value)

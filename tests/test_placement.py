@@ -3,7 +3,8 @@
 ``local`` (the default) prefers the putting client's own segment, so a
 hit of its own blocks is a copy inside its process; once that segment is
 full the puts go to the others, and nothing is refused.  ``spread``
-leaves placement to Mooncake, over every segment.
+leaves placement to Mooncake, over every segment.  The key's parsing is
+in ``tests/test_config.py`` (torch-free: it runs on every Python).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import pytest
 import torch
 
 from connector.config import StoreConfig
-from connector.errors import ConfigError
 from connector.ops.master import store_config_for
 from connector.store import Outcome, StoreClient
 from tests.conftest import MasterPool
@@ -101,18 +101,3 @@ def test_a_full_own_segment_sends_the_rest_to_the_others(master, unique):
     assert 0 < mine <= SEGMENT // BLOCK
     assert len(where) - mine >= 96 - SEGMENT // BLOCK
     assert equal == 96
-
-
-def test_placement_is_validated_and_read_from_config():
-    base = {
-        "master_server_address": "127.0.0.1:50051",
-        "metadata_server": "http://127.0.0.1:8080/metadata",
-    }
-    assert StoreConfig.from_mapping(base).placement == "local"
-    spread = StoreConfig.from_mapping({**base, "placement": "spread"})
-    assert spread.placement == "spread"
-    with pytest.raises(ConfigError) as caught:
-        StoreConfig.from_mapping({**base, "placement": "nearby"})
-    assert caught.value.key == "placement"
-    assert "local" in str(caught.value)
-    assert "spread" in str(caught.value)

@@ -189,9 +189,24 @@ class StoreConfig:
             "copy inside its process. ``spread``: Mooncake's placement, "
             "over every segment (with several engines on a node, about "
             "half of a hit's blocks then cross the transfer engine). "
+            "``mirror``: two replicas, one in its own segment and one in "
+            "the node-level pool named by ``pool_segment``: hits stay "
+            "copies inside the process and the blocks outlive the engine "
+            "(twice the memory, a second put over the transfer engine). "
             "Only a client with ``global_segment_size`` > 0 has a segment "
             "to prefer; the others leave placement to Mooncake.",
             coerce_str,
+        ),
+    )
+    pool_segment: str | None = attrs.field(
+        default=None,
+        validator=[of_type(str, type(None)), check_real_client_address],
+        metadata=key_help(
+            "With ``placement: mirror``: the node-level pool's segment "
+            "name, ``host:port`` (``kv-lifecycle pool --mirror`` prints "
+            "it), where each block's second replica goes.  ``null`` "
+            "otherwise.",
+            coerce_optional_str,
         ),
     )
     local_buffer_size: int = attrs.field(
@@ -383,10 +398,36 @@ class StoreConfig:
                 "and enable_ssd_offload false"
             )
             raise ConfigError(key, self.real_client_address, reason)
+        self._check_mirror()
         if self.cluster_id is not None and not self.master_ha:
             key = "cluster_id"
             reason = "needs an etcd:// master_server_address (HA masters)"
             raise ConfigError(key, self.cluster_id, reason)
+
+    def _check_mirror(self) -> None:
+        """``placement: mirror`` and ``pool_segment`` go together."""
+        mirror = self.placement == "mirror"
+        if mirror and self.pool_segment is None:
+            key = "pool_segment"
+            reason = "placement 'mirror' needs the node pool's segment name"
+            raise ConfigError(key, None, reason)
+        if not mirror and self.pool_segment is not None:
+            key = "pool_segment"
+            reason = (
+                f"only placement 'mirror' uses it (placement is "
+                f"{self.placement!r})"
+            )
+            raise ConfigError(key, self.pool_segment, reason)
+        if mirror and (
+            self.global_segment_size == 0
+            or self.real_client_address is not None
+        ):
+            key = "placement"
+            reason = (
+                "mirror keeps a replica in this worker's own segment: "
+                "needs global_segment_size > 0 and no real_client_address"
+            )
+            raise ConfigError(key, self.placement, reason)
 
     # -- constructors ------------------------------------------------------
 
@@ -536,6 +577,22 @@ class StoreConfig:
     def master_port(self) -> int:
         """The port of the master (HA: of the first etcd endpoint)."""
         return int(self.master_endpoints[0].rpartition(":")[2])
+
+    def without_segment(self) -> StoreConfig:
+        """This config for a client of the same store that owns no segment.
+
+        What the scheduler's lookups use.  The keys only a contributing
+        worker has are dropped: ``mode`` (its topology check; ``null``)
+        and ``placement: mirror`` with ``pool_segment`` (``local``).
+        """
+        mirror = self.placement == "mirror"
+        return attrs.evolve(
+            self,
+            global_segment_size=0,
+            mode=None,
+            placement="local" if mirror else self.placement,
+            pool_segment=None,
+        )
 
     def client_env(self) -> dict[str, str]:
         """Environment the Mooncake client reads at ``setup()``."""

@@ -83,7 +83,7 @@ _SIZE_RE: Final = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 PROTOCOLS: Final = frozenset({"tcp", "rdma", "efa", "cxl", "nvlink", "ascend"})
 LOG_LEVELS: Final = frozenset({"TRACE", "INFO", "WARNING", "ERROR"})
-PLACEMENTS: Final = frozenset({"local", "spread"})
+PLACEMENTS: Final = frozenset({"local", "mirror", "spread"})
 _METADATA_SCHEMES: Final = frozenset({"http", "https", "etcd", "redis"})
 
 
@@ -281,7 +281,7 @@ def check_cluster_id(
 def check_real_client_address(
     _: object, field: attrs.Attribute[str | None], value: str | None
 ) -> None:
-    """None, or ``host:port`` (a node-level pool's ``mooncake_client``)."""
+    """None, or ``host:port`` (a node pool's RPC address or segment)."""
     if value is not None:
         _split_host_port(field.name, value, need_port=True)
 

@@ -43,6 +43,7 @@ BAD_VALUES = {
     "cluster_id": "no spaces allowed",
     "protocol": "udp",
     "placement": "nearby",
+    "pool_segment": "127.0.0.1",  # no port
     "device_name": 5,
     "global_segment_size": "8MiB",  # Mooncake's setup() fails under 16 MiB
     "local_buffer_size": "2TiB",
@@ -187,6 +188,36 @@ class TestExtraConfig:
         assert elapsed < BOUND_S
         messages = " ".join(r.getMessage() for r in caplog.records)
         assert "unknown key 'colour' ignored" in messages
+
+    @pytest.mark.parametrize(
+        "worker_keys",
+        [
+            {"mode": "embedded", "global_segment_size": "64MiB"},
+            {
+                "global_segment_size": "64MiB",
+                "placement": "mirror",
+                "pool_segment": "127.0.0.1:9",
+            },
+        ],
+        ids=["embedded", "mirror"],
+    )
+    def test_worker_only_keys_leave_the_scheduler_a_pure_client(
+        self, good, worker_keys, monkeypatch
+    ):
+        """Keys about the worker's own segment (``mode: embedded``,
+        ``placement: mirror``) build the scheduler's side too: its
+        lookup client owns no segment, so they do not apply to it."""
+        extra, h = good
+        monkeypatch.delenv(CONFIG_PATH_ENV, raising=False)
+        connector, elapsed = construct(h, {**extra, **worker_keys})
+        try:
+            client = connector._client
+            assert client is not None
+            assert client.config.global_segment_size == 0
+            assert client.config.pool_segment is None
+        finally:
+            connector.shutdown()
+        assert elapsed < BOUND_S
 
 
 class TestConfigFile:

@@ -653,3 +653,35 @@ def test_placement_is_validated_and_read_from_config():
     assert caught.value.key == "placement"
     assert "local" in str(caught.value)
     assert "spread" in str(caught.value)
+
+
+def test_mirror_needs_the_pool_segment_and_a_segment_of_its_own():
+    """``placement: mirror`` names the node pool's segment, keeps one of
+    its own and is no dummy; ``pool_segment`` means nothing without it.
+    Each bad combination names the key to fix."""
+    base = {
+        "master_server_address": "127.0.0.1:50051",
+        "metadata_server": "http://127.0.0.1:8080/metadata",
+        "global_segment_size": "64MiB",
+    }
+    mirror = {**base, "placement": "mirror", "pool_segment": "127.0.0.1:9"}
+    ok = StoreConfig.from_mapping(mirror)
+    assert (ok.placement, ok.pool_segment) == ("mirror", "127.0.0.1:9")
+    assert StoreConfig.from_mapping(base).pool_segment is None
+    for bad, key in [
+        ({**base, "placement": "mirror"}, "pool_segment"),
+        ({**base, "pool_segment": "127.0.0.1:9"}, "pool_segment"),
+        ({**mirror, "pool_segment": "127.0.0.1"}, "pool_segment"),
+        ({**mirror, "global_segment_size": 0}, "placement"),
+        (
+            {
+                **mirror,
+                "global_segment_size": 0,
+                "real_client_address": "127.0.0.1:7",
+            },
+            "placement",
+        ),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            StoreConfig.from_mapping(bad)
+        assert caught.value.key == key, (bad, caught.value)

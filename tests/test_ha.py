@@ -18,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -404,6 +405,8 @@ def engine(
         "local_hostname": "127.0.0.1",
         "rpc_timeout_ms": 1000,
         "log_level": "ERROR",
+        "placement": config.placement,
+        "pool_segment": config.pool_segment,
     }
     return subprocess.Popen(
         [
@@ -441,27 +444,34 @@ def hits(
     return list(client.get(keys, regions(buf[: len(keys)])))
 
 
-@pytest.mark.parametrize("pool", [True, False], ids=["node-pool", "embedded"])
+@pytest.mark.parametrize("pool", ["node-pool", "mirror", "embedded"], ids=str)
 def test_blocks_outlive_a_sigkilled_engine_only_with_a_node_pool(
     unique, pool
 ) -> None:
     """An engine stores 8 blocks, then is SIGKILLed. With the node-level
-    pool (engines contribute 0) another engine still reads all 8, byte
-    for byte; with the engine's own segment (the embedded default) they
-    are gone: the contrast shows the test can fail."""
+    pool (engines contribute 0, or mirror into it from their own
+    segment) another engine still reads all 8, byte for byte; with the
+    engine's own segment alone (the embedded default) they are gone:
+    the contrast shows the test can fail."""
     with EmbeddedMaster(client_ttl_s=2) as master:
         node = None
-        if pool:
+        if pool != "embedded":
             node = NodePool(
                 master_server_address=master.rpc_address,
                 metadata_server=master.metadata_server,
                 global_segment_size=64 * 1024 * 1024,
             ).start()
         try:
-            segment = 0 if pool else 64 * 1024 * 1024
+            segment = 0 if pool == "node-pool" else 64 * 1024 * 1024
             engine_config = store_config_for(
                 master, global_segment_size=segment
             )
+            if pool == "mirror" and node is not None:
+                engine_config = attrs.evolve(
+                    engine_config,
+                    placement="mirror",
+                    pool_segment=node.segment,
+                )
             keys = keys_for(unique, 8)
             stored_then_killed(engine_config, keys, seed=5)
             reader_config = store_config_for(
@@ -470,7 +480,7 @@ def test_blocks_outlive_a_sigkilled_engine_only_with_a_node_pool(
             client, buf = open_client(reader_config)
             try:
                 got = hits(client, buf, keys)
-                if pool:
+                if node is not None:
                     assert got == [Outcome.HIT] * 8
                     assert torch.equal(buf[:8], pattern_engine(8, 5))
                 else:

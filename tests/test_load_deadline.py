@@ -683,11 +683,13 @@ def test_a_local_load_the_watchdog_took_is_never_written(
                 owner.unregister(ptr)
 
 
-def test_a_key_with_a_replica_elsewhere_never_reads_as_local(
+def test_a_key_with_a_replica_here_reads_as_local_beside_one_elsewhere(
     start_master, unique
 ):
-    """With two replicas (this segment and another), a get may read
-    either: the key is not local for anyone, so its load is staged."""
+    """With two replicas (this segment and another), each holder's get
+    reads its own one (Mooncake prefers the reader's segment; checked
+    with the other holder stopped in tests/test_mirror.py): the key is
+    local for both, so neither load is staged."""
     from connector.ops.master import store_config_for  # noqa: PLC0415
     from connector.store import StoreClient  # noqa: PLC0415
 
@@ -711,8 +713,8 @@ def test_a_key_with_a_replica_elsewhere_never_reads_as_local(
             assert all(
                 set(w) == {owner.hostname, holder.hostname} for w in where
             ), where
-            assert owner.local_reads(keys) == [False] * 3
-            assert holder.local_reads(keys) == [False] * 3
+            assert owner.local_reads(keys) == [True] * 3
+            assert holder.local_reads(keys) == [True] * 3
         finally:
             source.loads.close()
             for ptr in source.registered:
@@ -743,8 +745,14 @@ class _Desc:
     [
         ([_Desc("COMPLETE", "me")], True),
         ([_Desc("COMPLETE", "me"), _Desc("PROCESSING", "peer")], True),
-        ([_Desc("COMPLETE", "me"), _Desc("COMPLETE", "peer")], False),
-        ([_Desc("COMPLETE", "peer"), _Desc("COMPLETE", "me")], False),
+        ([_Desc("COMPLETE", "me"), _Desc("COMPLETE", "peer")], True),
+        ([_Desc("COMPLETE", "peer"), _Desc("COMPLETE", "me")], True),
+        ([_Desc("COMPLETE", "peer")], False),
+        ([_Desc("PROCESSING", "me"), _Desc("COMPLETE", "peer")], False),
+        (
+            [_Desc("COMPLETE", "peer", memory=False), _Desc("COMPLETE", "me")],
+            False,
+        ),
         (
             [_Desc("COMPLETE", "me"), _Desc("COMPLETE", "me", memory=False)],
             False,
@@ -753,12 +761,14 @@ class _Desc:
         ([], False),
     ],
 )
-def test_only_in_asks_every_complete_replica(replicas, local):
-    """Local only when every complete replica is in memory, here."""
-    from connector.store.engine import only_in  # noqa: PLC0415
+def test_read_here_needs_a_complete_memory_replica_here(replicas, local):
+    """Local when a complete memory replica is here and none is on disk
+    (a get prefers the reader's own segment; its choice among disk
+    replicas is not checked)."""
+    from connector.store.engine import read_here  # noqa: PLC0415
 
-    assert only_in(replicas, "me") is local
-    assert only_in(replicas, "") is False
+    assert read_here(replicas, "me") is local
+    assert read_here(replicas, "") is False
 
 
 def test_a_refused_buffer_registration_fails_the_load_not_the_worker(

@@ -317,6 +317,10 @@ def _pool_extra(args: argparse.Namespace) -> dict[str, Any]:
         reason = "--detach needs --log-file (nobody reads its output)"
         key = "log_file"
         raise ConfigError(key, None, reason)
+    if args.dummy and args.mirror is not None:
+        reason = "--dummy engines contribute no segment to mirror into"
+        key = "mirror"
+        raise ConfigError(key, args.mirror, reason)
     extra: dict[str, Any] = {
         "master_server_address": args.master_server_address,
         "metadata_server": args.metadata_server,
@@ -325,9 +329,26 @@ def _pool_extra(args: argparse.Namespace) -> dict[str, Any]:
         "global_segment_size": 0,
         "mode": "standalone-store",
     }
+    if args.mirror is not None:
+        extra["global_segment_size"] = args.mirror
+        extra["mode"] = "embedded"
+        extra["placement"] = "mirror"
     if args.cluster_id is not None:
         extra["cluster_id"] = args.cluster_id
-    StoreConfig.from_extra_config(extra)
+    # The pool's segment name is known once it runs (`_engine_keys`).
+    named = {"pool_segment": "127.0.0.1:1"} if args.mirror is not None else {}
+    StoreConfig.from_extra_config({**extra, **named})
+    return extra
+
+
+def _engine_keys(
+    args: argparse.Namespace, extra: dict[str, Any], pool: Any
+) -> dict[str, Any]:
+    """The printed store keys: ``extra`` plus what names the running pool."""
+    if args.dummy:
+        return {**extra, "real_client_address": pool.address}
+    if args.mirror is not None:
+        return {**extra, "pool_segment": pool.segment}
     return extra
 
 
@@ -362,8 +383,13 @@ def _pool(args: argparse.Namespace) -> int:
     def announce() -> int | None:
         print(
             f"{PROG} pool: mooncake_client pid {pool.pid} owns "
-            f"{size} B at {pool.address} (health {pool.health_url});"
-            " engines contribute 0",
+            f"{size} B at {pool.address}, segment {pool.segment} "
+            f"(health {pool.health_url}); "
+            + (
+                "engines mirror into it"
+                if args.mirror is not None
+                else "engines contribute 0"
+            ),
             file=sys.stderr,
             flush=True,
         )
@@ -386,11 +412,7 @@ def _pool(args: argparse.Namespace) -> int:
             "kv_connector": CONNECTOR_NAME,
             "kv_role": args.kv_role,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": (
-                {**extra, "real_client_address": pool.address}
-                if args.dummy
-                else extra
-            ),
+            "kv_connector_extra_config": _engine_keys(args, extra, pool),
         },
         announce=announce,
         exited=exited,
@@ -519,6 +541,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the printed config makes each engine's client a dummy of "
         "this pool (real_client_address): the pool process moves every "
         "byte through shared memory, no transfer engine in the engines",
+    )
+    p.add_argument(
+        "--mirror",
+        nargs="?",
+        const="4GB",
+        metavar="SIZE",
+        help="the printed config keeps a segment of SIZE (default 4GB) in "
+        "each engine and a second replica of every block in this pool "
+        "(placement: mirror): hits are copies inside the engine, and an "
+        "engine's restart keeps its blocks here",
     )
     p.add_argument(
         "--detach",

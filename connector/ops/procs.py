@@ -380,6 +380,13 @@ class NodePool(Supervised):
         cluster_id: the HA set's cluster id (``MC_STORE_CLUSTER_ID``).
         port: ``--port`` of its RPC service (free one by default).
         http_port: its ``/health`` and ``/metrics`` port.
+
+    Its segment is named ``127.0.0.1:<port>`` with a port picked at each
+    start (`segment`), so engines can name the pool in ``pool_segment``
+    (``placement: mirror``).  A restart gets a new name: the master keeps
+    a SIGKILLed client's segment until ``client_ttl``, and a process
+    mounting the same name meanwhile is refused, its puts failing (the
+    wheel's 0.3.13 behaviour, seen in ``tests/test_ha.py``).
     """
 
     def __init__(
@@ -401,19 +408,25 @@ class NodePool(Supervised):
         self.global_segment_size = global_segment_size
         self.port = port or free_port()
         self.http_port = http_port or free_port()
-        argv = [
-            str(find_client_binary()),
-            f"--master_server_address={master_server_address}",
-            f"--metadata_server={metadata_server}",
-            f"--host={HOST}",
-            f"--port={self.port}",
-            f"--global_segment_size={global_segment_size}",
-            f"--local_buffer_size={local_buffer_size}",
-            f"--protocol={protocol}",
-            "--enable_http_server=true",
-            f"--http_port={self.http_port}",
-            *extra_flags,
-        ]
+        self.segment_port = 0
+        binary = str(find_client_binary())
+
+        def argv() -> list[str]:
+            self.segment_port = free_port()  # a new name at each start
+            return [
+                binary,
+                f"--master_server_address={master_server_address}",
+                f"--metadata_server={metadata_server}",
+                f"--host={self.segment}",
+                f"--port={self.port}",
+                f"--global_segment_size={global_segment_size}",
+                f"--local_buffer_size={local_buffer_size}",
+                f"--protocol={protocol}",
+                "--enable_http_server=true",
+                f"--http_port={self.http_port}",
+                *extra_flags,
+            ]
+
         env = dict(kwargs.pop("env", None) or {})
         env.setdefault("MC_RPC_TIMEOUT_MS", "2000")
         if cluster_id is not None:
@@ -426,6 +439,11 @@ class NodePool(Supervised):
     def address(self) -> str:
         """``127.0.0.1:<port>``, the real client's RPC address."""
         return f"{HOST}:{self.port}"
+
+    @property
+    def segment(self) -> str:
+        """``127.0.0.1:<port>``, the segment name of its current start."""
+        return f"{HOST}:{self.segment_port}"
 
     @property
     def health_url(self) -> str:

@@ -71,9 +71,9 @@ from connector.store.engine import (
     Replica,
     ReplicaReader,
     memory_replicas,
-    only_in,
     other_replica,
     read_from,
+    read_here,
 )
 from connector.store.faults import RateLimitedWarning, transfer_faults
 from connector.store.metadata import (
@@ -288,7 +288,7 @@ class StoreClient:
             raise StoreUnavailable(
                 address, rc if isinstance(rc, int) else None, reason
             )
-        local = _prefer_own_segment(config, store, replicate)
+        placed = _place(config, store, replicate)
         log.info(
             "Mooncake store client %s connected to %s in %.2f s "
             "(segment %d B, protocol %s, namespace %r, tenant %r, puts %s"
@@ -300,7 +300,7 @@ class StoreClient:
             config.protocol,
             config.namespace,
             config.tenant_id,
-            "own segment first" if local else "spread by Mooncake",
+            placed,
             ", SSD tier on" if config.enable_ssd_offload else "",
             ", replica reads on" if reader is not None else "",
         )
@@ -691,10 +691,11 @@ class StoreClient:
     def local_reads(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether a get reads it from this client's own segment.
 
-        True only when every complete replica of the key is a memory
-        replica in this client's segment, so whichever one a get picks,
-        it is a memcpy inside this process, over when the get returns: no
-        peer's transport can write into its region later.  One master
+        True when a complete memory replica of the key is in this
+        client's segment (and none is on disk): Mooncake's get then reads
+        that one, a memcpy inside this process, over when the get
+        returns, so no peer's transport can write into its region later
+        (`read_here`).  One master
         call (``batch_get_replica_desc``); it grants each stored key a
         read lease, so the replica is still there for the get that
         follows.  False for every key on any error, and without a call
@@ -709,7 +710,7 @@ class StoreClient:
             if found is None:
                 return [False] * len(keys)
             local = self._store.get_hostname()
-            return [only_in(found.get(k, ()), local) for k in keys]
+            return [read_here(found.get(k, ()), local) for k in keys]
         finally:
             self._exit()
 
@@ -1547,19 +1548,35 @@ def _setup(
     return store, replicate, rc
 
 
-def _prefer_own_segment(
-    config: StoreConfig, store: MooncakeStore, replicate: Any
-) -> bool:
-    """With ``placement: local``, puts prefer this client's own segment.
+def _place(config: StoreConfig, store: MooncakeStore, replicate: Any) -> str:
+    """Point the replicate config every put passes at ``placement``.
 
-    Sets ``preferred_segment`` of the replicate config every put passes
-    (Mooncake falls back to the other segments once that one is full).
-    Whether it was set: not for ``spread``, a client without a segment,
-    or a replicate config without the field (an older wheel, a fake).
+    ``local``: ``preferred_segment`` is this client's own segment
+    (Mooncake falls back to the others once it is full).  ``mirror``: at
+    least two replicas, ``preferred_segments`` the own segment and then
+    ``pool_segment``.  Nothing for ``spread``, a client without a segment,
+    or a replicate config without the fields (an older wheel, a fake).
+
+    Returns where puts go, for the start-up log line.
     """
-    if config.placement != "local" or config.global_segment_size <= 0:
-        return False
+    spread = "spread by Mooncake"
+    if config.placement == "spread" or config.global_segment_size <= 0:
+        return spread
+    own = store.get_hostname()
+    if config.placement == "mirror" and config.pool_segment is not None:
+        if replicate is None or not hasattr(replicate, "preferred_segments"):
+            log.warning(
+                "this Mooncake wheel's ReplicateConfig has no "
+                "preferred_segments: placement 'mirror' is not applied"
+            )
+            return spread
+        replicate.replica_num = max(int(replicate.replica_num), 2)
+        replicate.preferred_segments = [own, config.pool_segment]
+        return (
+            f"{replicate.replica_num} replicas: own segment and the pool "
+            f"{config.pool_segment}"
+        )
     if replicate is None or not hasattr(replicate, "preferred_segment"):
-        return False
-    replicate.preferred_segment = store.get_hostname()
-    return True
+        return spread
+    replicate.preferred_segment = own
+    return "own segment first"

@@ -41,7 +41,7 @@ def acquire(config: StoreConfig, *, contribute: bool = True) -> StoreClient:
 
     With ``contribute=False`` the caller only looks keys up: it gets the
     contributing client if this process has one, else a pure client
-    (``global_segment_size=0``).
+    (`StoreConfig.without_segment`).
 
     Raises:
         StoreUnavailable: the master cannot be reached (bounded wait).
@@ -49,7 +49,7 @@ def acquire(config: StoreConfig, *, contribute: bool = True) -> StoreClient:
     identity = attrs.evolve(config, namespace="")
     choices = [identity]
     if not contribute:
-        choices.append(attrs.evolve(identity, global_segment_size=0))
+        choices.append(identity.without_segment())
     with _LOCK:
         for choice in choices:
             client = _CLIENTS.get(choice)

@@ -32,7 +32,9 @@ a client with no segment, so they can only land in the pool): the
 connector's scheduler side is the same, so its cost should be too.
 ``--modes ...,dummy_pool`` is ``node_pool`` with the connector's clients
 as the pool's dummy clients (``real_client_address``): each lookup goes
-through the pool process to the master.
+through the pool process to the master.  ``--modes ...,mirror_pool`` is
+``node_pool`` with ``placement: mirror``: the prefixes are put by a
+client with a segment of its own, one replica there and one in the pool.
 ``--modes ...,layerwise`` adds ``ours`` with layer-wise loads
 (``layerwise_load_max_blocks`` = `LAYERWISE_BLOCKS`): a store hit is
 scheduled in the step its lookup answers, not a step later.  In both
@@ -142,6 +144,10 @@ prefixes live in the pool process, not in any instance's segment."""
 DUMMY_POOL = "dummy_pool"
 """``node_pool`` with the connector's clients as the pool's dummy clients
 (``real_client_address``): lookups go through the pool process."""
+MIRROR_POOL = "mirror_pool"
+"""``node_pool`` with ``placement: mirror``: each stored block has a
+replica in its writer's segment and one in the pool."""
+POOL_MODES = (NODE_POOL, DUMMY_POOL, MIRROR_POOL)
 LAYERWISE_BLOCKS = 64
 RUNNING = 128
 REPEATS = 3
@@ -207,7 +213,12 @@ class PrefixWriter:
     """
 
     def __init__(
-        self, master: Any, namespace: str, *, contribute: bool = True
+        self,
+        master: Any,
+        namespace: str,
+        *,
+        contribute: bool = True,
+        pool_segment: str | None = None,
     ) -> None:
         import torch  # noqa: PLC0415
 
@@ -215,11 +226,17 @@ class PrefixWriter:
         from connector.ops.master import store_config_for  # noqa: PLC0415
         from connector.store import StoreClient  # noqa: PLC0415
 
+        mirror: dict[str, Any] = (
+            {"placement": "mirror", "pool_segment": pool_segment}
+            if pool_segment is not None
+            else {}
+        )
         self.client = StoreClient.open(
             store_config_for(
                 master,
                 global_segment_size=64 * MiB if contribute else 0,
                 namespace=namespace,
+                **mirror,
             )
         )
         self._buffer = torch.zeros(4096, dtype=torch.uint8)
@@ -300,15 +317,20 @@ class Run:
         forward_s: float,
         real_client_address: str | None = None,
         wait_ms: float = WAIT_MS,
+        pool_segment: str | None = None,
     ) -> None:
         self.mode = mode
-        ours = (LAYERWISE, WAITED, NODE_POOL, DUMMY_POOL)
+        ours = (LAYERWISE, WAITED, *POOL_MODES)
         self.base = "ours" if mode in ours else mode
         self.forward_s = forward_s
         self.extra = _extra_config(self.base, master)
         if real_client_address is not None:
             self.extra["global_segment_size"] = 0
             self.extra["real_client_address"] = real_client_address
+        if pool_segment is not None:  # the workers' keys; lookups pure
+            self.extra["global_segment_size"] = 64 * 1024 * 1024
+            self.extra["placement"] = "mirror"
+            self.extra["pool_segment"] = pool_segment
         if mode in (LAYERWISE, WAITED):
             self.extra["layerwise_load_max_blocks"] = LAYERWISE_BLOCKS
         if mode == WAITED:
@@ -435,6 +457,7 @@ def measure(
     forward_s: float,
     real_client_address: str | None = None,
     wait_ms: float = WAIT_MS,
+    pool_segment: str | None = None,
 ) -> dict[str, Any]:
     """Bursts of `burst` new requests on `RUNNING` decoding ones."""
     rng = random.Random(burst)
@@ -447,6 +470,7 @@ def measure(
         forward_s=forward_s,
         real_client_address=real_client_address,
         wait_ms=wait_ms,
+        pool_segment=pool_segment,
     )
     try:
         for i in range(RUNNING):
@@ -826,13 +850,15 @@ class _Writers:
         self.pool_master: Any = None
         #: The pool process's address (``real_client_address``).
         self.pool_address: str | None = None
+        #: The pool's segment name (``pool_segment``).
+        self.pool_segment: str | None = None
 
     def for_mode(self, mode: str) -> tuple[Any, PrefixWriter | None]:
         if mode in ("ours", LAYERWISE, WAITED):
             if "own" not in self.made:
                 self.made["own"] = PrefixWriter(self.master, "")
             return self.master, self.made["own"]
-        if mode not in (NODE_POOL, DUMMY_POOL):
+        if mode not in POOL_MODES:
             return self.master, None
         if "pool" not in self.made:
             from connector.ops.master import EmbeddedMaster  # noqa: PLC0415
@@ -848,7 +874,14 @@ class _Writers:
             pool.start()
             self.pool_master = master
             self.pool_address = pool.address
+            self.pool_segment = pool.segment
             self.made["pool"] = PrefixWriter(master, "", contribute=False)
+        if mode == MIRROR_POOL:
+            if "mirror" not in self.made:
+                self.made["mirror"] = PrefixWriter(
+                    self.pool_master, "", pool_segment=self.pool_segment
+                )
+            return self.pool_master, self.made["mirror"]
         return self.pool_master, self.made["pool"]
 
     def close(self) -> None:
@@ -903,6 +936,11 @@ def run_all(
                                     else None
                                 ),
                                 wait_ms=wait_ms,
+                                pool_segment=(
+                                    writers.pool_segment
+                                    if mode == MIRROR_POOL
+                                    else None
+                                ),
                             )
                         )
                     except Exception as exc:  # noqa: BLE001 - report it
@@ -1005,7 +1043,7 @@ def main(argv: list[str] | None = None) -> int:
     if set(faults) - {"kill", "pause", "blackhole"} or not faults:
         parser.error(f"unknown faults: {args.faults}")
     modes = tuple(m for m in args.modes.split(",") if m)
-    unknown = set(modes) - {*MODES, LAYERWISE, WAITED, NODE_POOL, DUMMY_POOL}
+    unknown = set(modes) - {*MODES, LAYERWISE, WAITED, *POOL_MODES}
     if unknown:
         parser.error(f"unknown modes: {sorted(unknown)}")
     logging.basicConfig(level=logging.ERROR)

@@ -180,25 +180,39 @@ def master_failover(
 
 
 def engine_restart(
-    c: Cluster, *, prefixes: int, interval_s: float, node_pool: bool
+    c: Cluster,
+    *,
+    prefixes: int,
+    interval_s: float,
+    node_pool: bool,
+    mirror: bool = False,
 ) -> dict[str, Any]:
-    """A SIGKILLed and restarted; its prefixes asked again by the new A."""
+    """A SIGKILLed and restarted; its prefixes asked again by the new A.
+
+    ``node_pool``: a node-level pool; the engines contribute no segment,
+    or with ``mirror`` keep one and mirror into the pool
+    (``placement: mirror``).
+    """
     master = c.master()
     pool = None
     segment: int | str = "64MiB"
+    more: dict[str, Any] = {}
     if node_pool:
         pool = NodePool(
             master_server_address=master.rpc_address,
             metadata_server=master.metadata_server,
             global_segment_size=POOL_BYTES,
         ).start()
-        segment = 0
-    tag = "pool" if node_pool else "emb"
+        if mirror:
+            more = {"placement": "mirror", "pool_segment": pool.segment}
+        else:
+            segment = 0
+    tag = ("mirror" if mirror else "pool") if node_pool else "emb"
     ns = f"restart-{tag}"
     try:
         a, b = c.spawn(f"{tag}-A", f"{tag}-B")
         opts = {"num_blocks": 64, "enable_prefix_caching": False}
-        cfg = extra(master, ns, global_segment_size=segment)
+        cfg = {**extra(master, ns, global_segment_size=segment), **more}
         a.call("open", key="m1", extra=cfg, **opts)
         b.call("open", key="m1", extra=cfg, **opts)
         seeds = list(range(1, prefixes + 1))
@@ -255,16 +269,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 interval_s=args.interval,
                 node_pool=True,
             )
+            mirrored = engine_restart(
+                c,
+                prefixes=args.prefixes,
+                interval_s=args.interval,
+                node_pool=True,
+                mirror=True,
+            )
             embedded = engine_restart(
                 c,
                 prefixes=args.prefixes,
                 interval_s=args.interval,
                 node_pool=False,
             )
-            pooled["embedded_hit_rate_after_restart"] = embedded[
-                "hit_rate_after_restart"
-            ]
-            pooled["embedded_mismatches"] = embedded["mismatches"]
+            for name, other in (("mirror", mirrored), ("embedded", embedded)):
+                for key in ("hit_rate_after_restart", "mismatches"):
+                    pooled[f"{name}_{key}"] = other[key]
             report["engine_restart"] = pooled
     if args.detail:
         report["detail"] = {"seconds": round(time.monotonic() - started, 1)}

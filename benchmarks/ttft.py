@@ -30,30 +30,36 @@ reset before each ``hit`` and the hit still comes only through the
 connector (attention blocks and the state at the last checkpoint); the
 raw-transfer comparisons are skipped for it.
 
-``--node-pool`` adds two rows with the same cold and hit TTFT on an
-engine that contributes no segment while a node-level
-``mooncake_client`` owns the pool (issue 33's ``standalone-store``
-mode): ``node_pool``, where every load crosses the transfer engine
-instead of a same-process copy, and ``dummy_pool``, where the engine's
-client is the pool's dummy client (``real_client_address``): the pool
-process copies each block into the engine's shared-memory staging.
-``pool_hit_over_embedded`` and ``dummy_hit_over_embedded`` are their hit
-TTFT medians over the embedded row's, from the same run.  A hit's TTFT
-includes its forward pass, which differs by several ms from one engine
-to the next, so each row also gives ``hit_load_phase_ms_median``: from
-the lifecycle trace, the ms from a hit's load being issued
-(``alloc_external``) to the worker reporting it (``load_done``), and
-``pool_load_phase_over_embedded`` / ``dummy_load_phase_over_embedded``
-compare those.  The embedded row is that mode's best case (one engine
-alone, every block in its own segment); ``embedded_beside_peer`` is the
-embedded engine with a second segment of the same size on the node (a
-``mooncake_client``, as a second engine would have), whose saves go to
-its own segment first (``placement: local``, the default);
-``embedded_beside_peer_spread`` is the same with ``placement: spread``:
-Mooncake spreads the saves over both segments, so about half of a hit's
-blocks cross the transfer engine.  ``dummy_hit_over_embedded_beside_peer`` and
-``dummy_load_phase_over_embedded_beside_peer`` compare the dummy row with
-it; ``peer_*_over_embedded`` compare it with the main row.
+``--node-pool`` adds rows with the same cold and hit TTFT on an engine
+that contributes no segment while a node-level ``mooncake_client`` owns
+the pool (issue 33's ``standalone-store`` mode): ``node_pool``, where
+every load crosses the transfer engine instead of a same-process copy,
+and ``dummy_pool``, where the engine's client is the pool's dummy client
+(``real_client_address``): the pool process copies each block into the
+engine's shared-memory staging. ``mirror_pool`` is the third node-level
+mode: the engine keeps its own segment and puts a second replica of each
+block into the pool (``placement: mirror``), so its hits stay
+same-process copies while the pool's replicas outlive it.
+``pool_hit_over_embedded``, ``dummy_hit_over_embedded`` and
+``mirror_hit_over_embedded`` are their hit TTFT medians over the
+embedded row's, from the same run (``mirror_cold_over_embedded``: the
+cold TTFT's, as each block is put twice). A hit's TTFT includes its
+forward pass, which differs by several ms from one engine to the next,
+so each row also gives ``hit_load_phase_ms_median``: from the lifecycle
+trace, the ms from a hit's load being issued (``alloc_external``) to the
+worker reporting it (``load_done``), and
+``pool_load_phase_over_embedded`` / ``dummy_load_phase_over_embedded`` /
+``mirror_load_phase_over_embedded`` compare those. The embedded row is
+that mode's best case (one engine alone, every block in its own
+segment); ``embedded_beside_peer`` is the embedded engine with a second
+segment of the same size on the node (a ``mooncake_client``, as a second
+engine would have), whose saves go to its own segment first
+(``placement: local``, the default); ``embedded_beside_peer_spread`` is
+the same with ``placement: spread``: Mooncake spreads the saves over
+both segments, so about half of a hit's blocks cross the transfer
+engine. ``dummy_hit_over_embedded_beside_peer`` and
+``dummy_load_phase_over_embedded_beside_peer`` compare the dummy row
+with it; ``peer_*_over_embedded`` compare it with the main row.
 
 ``--partial`` adds the partial-hit rows (issue 32): on two engines, one
 with asynchronous loads and one with layer-wise loads
@@ -140,6 +146,7 @@ def _spec(
     layerwise: int = 0,
     trace: str | None = None,
     placement: str | None = None,
+    pool_segment: str | None = None,
 ) -> EngineSpec:
     extra = store_extra(
         master,
@@ -154,6 +161,8 @@ def _spec(
         extra["real_client_address"] = real_client_address
     if placement is not None:
         extra["placement"] = placement
+    if pool_segment is not None:
+        extra["pool_segment"] = pool_segment
     if layerwise:
         extra["layerwise_load_max_blocks"] = layerwise
     blocks = prompt_len // BLOCK + 2
@@ -199,6 +208,7 @@ def measure_engine(
     dummy: bool = False,
     peer_segment: bool = False,
     placement: str | None = None,
+    mirror: bool = False,
 ) -> dict[str, Any]:
     """Cold and hit TTFT on one engine; the hits' load bandwidth.
 
@@ -210,7 +220,9 @@ def measure_engine(
     ``mooncake_client`` beside it holds one of the same size, as a second
     engine on the node would.  ``placement``: the engine's
     ``placement`` (None: the default, its own segment first; ``spread``:
-    Mooncake spreads the saves over both segments).
+    Mooncake spreads the saves over both segments).  ``mirror`` (with
+    ``node_pool``): the engine keeps its own segment and puts a second
+    replica of each block into the pool (``placement: mirror``).
     """
     runs: list[dict[str, Any]] = []
     with (
@@ -228,7 +240,10 @@ def measure_engine(
                 global_segment_size=1024 * 1024 * 1024,
             )
             stack.enter_context(pool)
-        if node_pool:
+        pool_segment = None
+        if node_pool and mirror:
+            placement, pool_segment = "mirror", pool.segment
+        elif node_pool:
             segment = 0
             address = pool.address if dummy else None
         spec = _spec(
@@ -243,6 +258,7 @@ def measure_engine(
             real_client_address=address,
             trace=str(snapshots / "trace-{pid}.jsonl"),
             placement=placement,
+            pool_segment=pool_segment,
         )
         with EngineProcess(spec) as engine:
             info = dict(engine.info)
@@ -398,16 +414,34 @@ def partial_rows(
 
 
 def node_pool_row(
-    prompt_len: int, reps: int, threads: int, *, dummy: bool = False
+    prompt_len: int,
+    reps: int,
+    threads: int,
+    *,
+    dummy: bool = False,
+    mirror: bool = False,
 ) -> Any:
     """Cold and hit TTFT with the pool in a node-level process.
 
     ``dummy``: the engine's client is the pool's dummy client.
+    ``mirror``: the engine keeps its own segment and mirrors into the
+    pool (``placement: mirror``).
     """
     engine = measure_engine(
-        prompt_len, reps, threads, mp=False, node_pool=True, dummy=dummy
+        prompt_len,
+        reps,
+        threads,
+        mp=False,
+        node_pool=True,
+        dummy=dummy,
+        mirror=mirror,
     )
-    return _side_row(engine, "dummy" if dummy else "transfer engine")
+    client = "transfer engine"
+    if dummy:
+        client = "dummy"
+    elif mirror:
+        client = "transfer engine, own segment mirrored into the pool"
+    return _side_row(engine, client)
 
 
 def peer_row(
@@ -617,6 +651,11 @@ def run(
         if node_pool
         else None
     )
+    mirror_row = (
+        node_pool_row(prompt_len, reps, threads, mirror=True)
+        if node_pool
+        else None
+    )
     beside = peer_row(prompt_len, reps, threads) if node_pool else None
     spread = (
         peer_row(prompt_len, reps, threads, placement="spread")
@@ -701,6 +740,14 @@ def run(
         ),
         "dummy_load_phase_over_embedded": _over(
             dummy_row, phase, "hit_load_phase_ms_median"
+        ),
+        "mirror_pool": mirror_row,
+        "mirror_hit_over_embedded": _over(mirror_row, hit),
+        "mirror_load_phase_over_embedded": _over(
+            mirror_row, phase, "hit_load_phase_ms_median"
+        ),
+        "mirror_cold_over_embedded": _over(
+            mirror_row, cold, "cold_ttft_median_s"
         ),
         "embedded_beside_peer": beside,
         "peer_hit_over_embedded": _over(beside, hit),
@@ -810,6 +857,8 @@ def main(argv: list[str] | None = None) -> int:
         "(the engine contributes no segment; node_pool: its client moves "
         "the bytes over the transfer engine; dummy_pool: its client is the "
         "pool's dummy, the pool process copies through shared memory), "
+        "mirror_pool (the engine keeps its segment and puts a second "
+        "replica of each block into the pool: placement mirror), "
         "and embedded_beside_peer (the embedded engine with a second "
         "segment on the node, as two engines have; its saves go to its "
         "own segment first) and embedded_beside_peer_spread (the same "

@@ -52,14 +52,16 @@ def test_node_pool_mode_hits_blocks_that_live_in_the_pool(
     capsys, master_binary
 ):
     """``node_pool``: prefixes put by a client with no segment (only the
-    node-level pool can hold them) are store hits, as with ``ours``."""
+    node-level pool can hold them) are store hits, as with ``ours``; so
+    are ``mirror_pool``'s (a replica in the writer's segment, one in the
+    pool; the connector's own clients mirror too)."""
     argv = ["--json", "--arrivals", "8", "--repeats", "1", "--no-outage"]
-    argv += ["--forward-ms", "0", "--modes", "ours,node_pool"]
+    argv += ["--forward-ms", "0", "--modes", "ours,node_pool,mirror_pool"]
 
     assert admission.main(argv) == 0
 
     rows = json.loads(capsys.readouterr().out)["results"]
-    assert [r["mode"] for r in rows] == ["ours", "node_pool"]
+    assert [r["mode"] for r in rows] == ["ours", "node_pool", "mirror_pool"]
     for row in rows:
         assert "error" not in row, row
         assert row["requests_with_external_hits"]["store_hit"] > 0, row

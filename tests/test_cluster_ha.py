@@ -55,15 +55,25 @@ def test_leader_sigkill_under_load(cluster):
     assert detail["baseline_hit_rate"] == 1.0
 
 
-@pytest.mark.parametrize("node_pool", [True, False], ids=["pool", "embedded"])
+@pytest.mark.parametrize(
+    ("node_pool", "mirror"),
+    [(True, False), (True, True), (False, False)],
+    ids=["pool", "mirror", "embedded"],
+)
 def test_engine_restart_keeps_its_prefixes_only_with_a_node_pool(
-    cluster, node_pool
+    cluster, node_pool, mirror
 ):
-    """A is SIGKILLed and restarted: with the node-level pool its earlier
-    prefixes all hit again and B hits them throughout; with A's own
-    segment (the embedded default, the contrast) most are gone."""
+    """A is SIGKILLed and restarted: with the node-level pool (engines
+    contributing none, or mirroring their own segment into it) its
+    earlier prefixes all hit again and B hits them throughout; with A's
+    own segment alone (the embedded default, the contrast) most are
+    gone."""
     report = ha.engine_restart(
-        cluster, prefixes=4, interval_s=0.05, node_pool=node_pool
+        cluster,
+        prefixes=4,
+        interval_s=0.05,
+        node_pool=node_pool,
+        mirror=mirror,
     )
     print(report)
     assert report["requests_finished"] == report["requests"]

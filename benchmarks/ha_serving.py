@@ -37,7 +37,10 @@ address; the engines contribute no segment):
 ``--dummy`` runs the same with each server's client a dummy of the pool
 (``real_client_address``): the pool process moves every byte, so
 ``pool_death`` is the SIGKILL of the process doing the server's
-transfers, mid-transfer.
+transfers, mid-transfer.  ``--mirror`` runs it with each server keeping
+a segment of its own (`MIRROR_SEGMENT`) and mirroring every block into
+the pool (``placement: mirror``): a hit of a server's own blocks is a
+copy inside it, and the pool's replicas outlive the server.
 
 Every output is compared with the reference: A's greedy tokens for the
 same prompt, computed before any fault. The servers' logs must show no
@@ -78,6 +81,7 @@ MAX_TOKENS = 8
 REQUEST_TIMEOUT_S = 120.0
 FAILOVER_GOAL_S = 10.0
 RESTART_RATIO_GOAL = 0.9
+MIRROR_SEGMENT = "64MB"
 HITS = "vllm:external_prefix_cache_hits_total"
 TRANSITIONS = "vllm:kv_lifecycle_transitions_total"
 STORE_KEYS = "vllm:kv_lifecycle_store_keys_total"
@@ -464,6 +468,13 @@ class Run:
         }
         if self.args.dummy:
             store["real_client_address"] = self.pool.address
+        if self.args.mirror:
+            store.update(
+                global_segment_size=MIRROR_SEGMENT,
+                mode="embedded",
+                placement="mirror",
+                pool_segment=self.pool.segment,
+            )
         config = kv_transfer_config(self.ha, store=store)
         self.config = config
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -793,7 +804,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with deadline(args.timeout):
             state.start()
-            report["client"] = "dummy" if args.dummy else "transfer engine"
+            report["client"] = (
+                "dummy"
+                if args.dummy
+                else "transfer engine, mirrored"
+                if args.mirror
+                else "transfer engine"
+            )
             report["server_startup_s"] = [
                 round(s.startup_s, 1) for s in state.servers.values()
             ]
@@ -846,8 +863,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the servers' clients are dummies of the pool "
         "(real_client_address): the pool process moves every byte",
     )
+    parser.add_argument(
+        "--mirror",
+        action="store_true",
+        help="each server keeps a segment of its own and mirrors every "
+        "block into the pool (placement: mirror)",
+    )
     parser.add_argument("--json", action="store_true", help="one line")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.dummy and args.mirror:
+        parser.error("--dummy and --mirror exclude each other")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

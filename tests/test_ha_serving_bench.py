@@ -9,7 +9,7 @@ import copy
 
 import pytest
 
-from benchmarks.ha_serving import goals_missed, merge, rate, tally
+from benchmarks.ha_serving import goals_missed, merge, parse_args, rate, tally
 
 GOOD = {
     "master_failover": {
@@ -102,3 +102,12 @@ def test_tally_compares_with_the_reference() -> None:
     assert both["mismatches"] == 1
     assert rate(128.0, 2) == 1.0
     assert rate(0.0, 0) == 0.0
+
+
+def test_dummy_and_mirror_exclude_each_other() -> None:
+    """``--mirror`` keeps a segment in each server, which a dummy client
+    cannot have: asking for both is a usage error, not a run."""
+    assert parse_args(["--mirror"]).mirror
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--dummy", "--mirror"])
+    assert exit_info.value.code == 2

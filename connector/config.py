@@ -42,9 +42,9 @@ from connector.config_values import (
     check_medium,
     check_metadata_server,
     check_namespace,
+    check_optional_host_port,
     check_placement,
     check_protocol,
-    check_real_client_address,
     check_segment,
     check_tenant,
     coerce_bool,
@@ -200,7 +200,7 @@ class StoreConfig:
     )
     pool_segment: str | None = attrs.field(
         default=None,
-        validator=[of_type(str, type(None)), check_real_client_address],
+        validator=[of_type(str, type(None)), check_optional_host_port],
         metadata=key_help(
             "With ``placement: mirror``: the node-level pool's segment "
             "name, ``host:port`` (``kv-lifecycle pool --mirror`` prints "
@@ -344,7 +344,7 @@ class StoreConfig:
     )
     real_client_address: str | None = attrs.field(
         default=None,
-        validator=[of_type(str, type(None)), check_real_client_address],
+        validator=[of_type(str, type(None)), check_optional_host_port],
         metadata=key_help(
             "``host:port`` of the node-level pool's ``mooncake_client`` "
             "(its ``--port``; ``kv-lifecycle pool`` prints it): the "

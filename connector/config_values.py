@@ -278,7 +278,7 @@ def check_cluster_id(
         raise ConfigError(config_key(field), value, reason)
 
 
-def check_real_client_address(
+def check_optional_host_port(
     _: object, field: attrs.Attribute[str | None], value: str | None
 ) -> None:
     """None, or ``host:port`` (a node pool's RPC address or segment)."""

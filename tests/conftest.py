@@ -9,11 +9,17 @@ session ends by checking that no master this run started is still alive.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -309,3 +315,52 @@ def own_and_reader(master_binary):
             yield owner, reader
     finally:
         pool.stop_all()
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pool_argv(master: EmbeddedMaster, *flags: str) -> list[str]:
+    """``kv-lifecycle pool`` against ``master``: a 32 MB pool, ``flags``."""
+    return [
+        sys.executable,
+        "-m",
+        "connector.ops.cli",
+        "pool",
+        f"--master-server-address={master.rpc_address}",
+        f"--metadata-server={master.metadata_server}",
+        "--global-segment-size=32MB",
+        *flags,
+    ]
+
+
+@contextlib.contextmanager
+def pool_command(
+    master: EmbeddedMaster, *flags: str
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+    """Run ``kv-lifecycle pool``; the process and the engines' extra
+    config it printed.
+
+    A body that ends normally has the command stopped by SIGTERM (unless
+    it already exited) and its exit status asserted 0; the process is
+    killed whatever happens.
+    """
+    proc = subprocess.Popen(
+        pool_argv(master, *flags),
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        printed = json.loads(proc.stdout.readline())
+        yield proc, printed["kv_connector_extra_config"]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -10,13 +10,7 @@ scheduler for the connector tests.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,10 +20,10 @@ from connector.errors import ConfigError, RegistrationError, StoreUnavailable
 from connector.ops.master import EmbeddedMaster, store_config_for
 from connector.ops.procs import NodePool, free_port
 from connector.store import Outcome, StoreClient
+from tests.conftest import pool_command
 
 pytestmark = pytest.mark.mooncake
 
-REPO = Path(__file__).resolve().parent.parent
 BLOCK = 64 * 1024
 POOL = 64 * 1024 * 1024
 
@@ -139,47 +133,25 @@ def test_cli_pool_dummy_prints_a_config_that_works(unique) -> None:
     """``kv-lifecycle pool --dummy``: the printed engines' config names
     the pool's address as ``real_client_address``, and a client opened
     from it stores and loads through that pool."""
-    with EmbeddedMaster() as master:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "connector.ops.cli",
-                "pool",
-                f"--master-server-address={master.rpc_address}",
-                f"--metadata-server={master.metadata_server}",
-                "--global-segment-size=32MB",
-                "--dummy",
-            ],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
+    with (
+        EmbeddedMaster() as master,
+        pool_command(master, "--dummy") as (_, extra),
+    ):
+        config = StoreConfig.from_extra_config(
+            {**extra, "shm_pool_size": "8MiB"}
         )
+        assert config.dummy
+        assert config.global_segment_size == 0
+        client = StoreClient.open(config)
         try:
-            assert proc.stdout is not None
-            extra = json.loads(proc.stdout.readline())[
-                "kv_connector_extra_config"
-            ]
-            config = StoreConfig.from_extra_config(
-                {**extra, "shm_pool_size": "8MiB"}
-            )
-            assert config.dummy
-            assert config.global_segment_size == 0
-            client = StoreClient.open(config)
-            try:
-                buf = client.staging_memory(2 * BLOCK).view(2, BLOCK)
-                assert client.register_tensor(buf)
-                buf[0].fill_(0x3C)
-                key = f"cli-{unique}"
-                put = client.put([key], [(buf[0].data_ptr(), BLOCK)])
-                assert list(put) == [Outcome.STORED]
-                got = client.get([key], [(buf[1].data_ptr(), BLOCK)])
-                assert list(got) == [Outcome.HIT]
-                assert torch.equal(buf[1], buf[0])
-            finally:
-                client.close()
+            buf = client.staging_memory(2 * BLOCK).view(2, BLOCK)
+            assert client.register_tensor(buf)
+            buf[0].fill_(0x3C)
+            key = f"cli-{unique}"
+            put = client.put([key], [(buf[0].data_ptr(), BLOCK)])
+            assert list(put) == [Outcome.STORED]
+            got = client.get([key], [(buf[1].data_ptr(), BLOCK)])
+            assert list(got) == [Outcome.HIT]
+            assert torch.equal(buf[1], buf[0])
         finally:
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0
+            client.close()

@@ -33,6 +33,7 @@ from connector.ops.master import (
 from connector.ops.procs import NodePool
 from connector.store import Outcome, StoreClient
 from connector.store.keys import KeyLayout, KeyScheme
+from tests.conftest import pool_argv, pool_command
 
 pytestmark = pytest.mark.mooncake
 
@@ -603,29 +604,9 @@ def test_cli_pool_prints_the_engines_config_stops_and_detaches(
     ``--detach --log-file`` the command exits and the pool keeps
     serving (stopped here by its pid)."""
     with EmbeddedMaster() as master:
-        base = [
-            sys.executable,
-            "-m",
-            "connector.ops.cli",
-            "pool",
-            f"--master-server-address={master.rpc_address}",
-            f"--metadata-server={master.metadata_server}",
-            "--global-segment-size=32MB",
-        ]
+        base = pool_argv(master)
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        proc = subprocess.Popen(
-            base,
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        try:
-            assert proc.stdout is not None
-            extra = json.loads(proc.stdout.readline())[
-                "kv_connector_extra_config"
-            ]
+        with pool_command(master) as (proc, extra):
             assert extra["global_segment_size"] == 0
             assert extra["mode"] == "standalone-store"
             assert (
@@ -641,10 +622,6 @@ def test_cli_pool_prints_the_engines_config_stops_and_detaches(
             assert proc.wait(timeout=30) == 0
             time.sleep(0.2)
             assert not process_alive(children[0])
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
         bad = subprocess.run(
             [*base, "--detach"],
             cwd=REPO,

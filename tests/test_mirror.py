@@ -12,14 +12,10 @@ Real processes only: the wheel's ``mooncake_master`` and a node-level
 from __future__ import annotations
 
 import collections
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import attrs
 import pytest
@@ -29,10 +25,10 @@ from connector.config import StoreConfig
 from connector.ops.master import EmbeddedMaster, store_config_for
 from connector.ops.procs import NodePool
 from connector.store import Outcome, StoreClient
+from tests.conftest import pool_command
 
 pytestmark = pytest.mark.mooncake
 
-REPO = Path(__file__).resolve().parent.parent
 
 BLOCK = 256 * 1024
 SEGMENT = 16 * 1024 * 1024  # 64 blocks
@@ -72,32 +68,46 @@ def _regions(t: torch.Tensor) -> list[tuple[int, int]]:
     return [(t[i].data_ptr(), BLOCK) for i in range(t.shape[0])]
 
 
-def _where(client: StoreClient, keys: list[str], names: dict[str, str]):
-    """How many keys have their replicas in each set of named segments."""
-    return collections.Counter(
-        tuple(sorted(names.get(e, e) for e in w))
-        for w in client.replica_endpoints(keys)
-    )
+def _mirror_beside_peer(
+    node, unique: str, blocks: int, seed: int
+) -> tuple[collections.Counter[tuple[str, ...]], list[bool], list[bool]]:
+    """A (mirroring, a 16 MiB segment) puts ``blocks`` blocks beside B (a
+    peer, 32 MiB); every put is stored and B reads each one back, byte
+    for byte.
+
+    Returns how many blocks have their replicas in each set of segments
+    (named ``own``, ``peer``, ``pool``), and per block whether A and
+    whether B reads it locally.
+    """
+    mirror, peer = _configs(node)
+    _, pool = node
+    src, dst = _blocks(blocks, seed), _blocks(blocks, seed + 1)
+    with StoreClient.open(mirror) as a, StoreClient.open(peer) as b:
+        assert a.register_tensor(src)
+        assert b.register_tensor(dst)
+        keys = [f"{unique}-{seed}-{i}" for i in range(blocks)]
+        put = a.put(keys, _regions(src))
+        assert list(put) == [Outcome.STORED] * blocks
+        names = {a.hostname: "own", b.hostname: "peer", pool.segment: "pool"}
+        where = collections.Counter(
+            tuple(sorted(names.get(e, e) for e in w))
+            for w in a.replica_endpoints(keys)
+        )
+        here, there = a.local_reads(keys), b.local_reads(keys)
+        got = b.get(keys, _regions(dst))
+        assert list(got) == [Outcome.HIT] * blocks
+        assert torch.equal(dst, src)
+        return where, here, there
 
 
 def test_each_block_has_one_replica_here_and_one_in_the_pool(node, unique):
     """32 blocks beside a peer's segment: every block's two replicas are
     the engine's segment and the pool (the peer gets none), the engine
     reads all of them locally, and the peer reads each one exactly."""
-    mirror, peer = _configs(node)
-    _, pool = node
-    src, dst = _blocks(32, 1), _blocks(32, 2)
-    with StoreClient.open(mirror) as a, StoreClient.open(peer) as b:
-        assert a.register_tensor(src)
-        assert b.register_tensor(dst)
-        keys = [f"{unique}-m-{i}" for i in range(32)]
-        assert list(a.put(keys, _regions(src))) == [Outcome.STORED] * 32
-        names = {a.hostname: "own", b.hostname: "peer", pool.segment: "pool"}
-        assert _where(a, keys, names) == {("own", "pool"): 32}
-        assert a.local_reads(keys) == [True] * 32
-        assert b.local_reads(keys) == [False] * 32
-        assert list(b.get(keys, _regions(dst))) == [Outcome.HIT] * 32
-        assert torch.equal(dst, src)
+    where, here, there = _mirror_beside_peer(node, unique, 32, seed=1)
+    assert where == {("own", "pool"): 32}
+    assert here == [True] * 32
+    assert there == [False] * 32
 
 
 def test_a_get_reads_its_own_replica_even_when_the_pool_is_first(node, unique):
@@ -157,66 +167,33 @@ def test_a_full_own_segment_still_mirrors_into_the_pool(node, unique):
     """96 blocks, 1.5x the engine's segment: every put is stored, each
     block keeps a replica in the pool, the engine's segment holds what
     fits (read locally) and the rest goes to the peer."""
-    mirror, peer = _configs(node)
-    _, pool = node
-    src, dst = _blocks(96, 7), _blocks(96, 8)
-    with StoreClient.open(mirror) as a, StoreClient.open(peer) as b:
-        assert a.register_tensor(src)
-        assert b.register_tensor(dst)
-        keys = [f"{unique}-full-{i}" for i in range(96)]
-        assert list(a.put(keys, _regions(src))) == [Outcome.STORED] * 96
-        names = {a.hostname: "own", b.hostname: "peer", pool.segment: "pool"}
-        where = _where(a, keys, names)
-        assert set(where) <= {("own", "pool"), ("peer", "pool")}, where
-        assert 0 < where[("own", "pool")] <= SEGMENT // BLOCK
-        assert sum(a.local_reads(keys)) == where[("own", "pool")]
-        assert list(b.get(keys, _regions(dst))) == [Outcome.HIT] * 96
-        assert torch.equal(dst, src)
+    where, here, _ = _mirror_beside_peer(node, unique, 96, seed=7)
+    assert set(where) <= {("own", "pool"), ("peer", "pool")}, where
+    assert 0 < where[("own", "pool")] <= SEGMENT // BLOCK
+    assert sum(here) == where[("own", "pool")]
 
 
 def test_cli_pool_mirror_prints_a_config_that_mirrors(unique) -> None:
     """``kv-lifecycle pool --mirror 32MB``: the printed engines' config
     keeps a 32 MiB segment, mirrors into the pool it names, and a client
     opened from it puts each block here and in that pool."""
-    with EmbeddedMaster() as master:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "connector.ops.cli",
-                "pool",
-                f"--master-server-address={master.rpc_address}",
-                f"--metadata-server={master.metadata_server}",
-                "--global-segment-size=32MB",
-                "--mirror=32MB",
-            ],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        try:
-            assert proc.stdout is not None
-            extra = json.loads(proc.stdout.readline())[
-                "kv_connector_extra_config"
-            ]
-            config = StoreConfig.from_extra_config(extra)
-            assert config.placement == "mirror"
-            assert config.global_segment_size == SEGMENT * 2
-            assert config.pool_segment is not None
-            src = _blocks(4, 9)
-            with StoreClient.open(config) as client:
-                assert client.register_tensor(src)
-                keys = [f"{unique}-cli-{i}" for i in range(4)]
-                put = client.put(keys, _regions(src))
-                assert list(put) == [Outcome.STORED] * 4
-                where = client.replica_endpoints(keys)
-                pair = {client.hostname, config.pool_segment}
-                assert all(set(w) == pair for w in where), where
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0
+    with (
+        EmbeddedMaster() as master,
+        pool_command(master, "--mirror=32MB") as (_, extra),
+    ):
+        config = StoreConfig.from_extra_config(extra)
+        assert config.placement == "mirror"
+        assert config.global_segment_size == SEGMENT * 2
+        assert config.pool_segment is not None
+        src = _blocks(4, 9)
+        with StoreClient.open(config) as client:
+            assert client.register_tensor(src)
+            keys = [f"{unique}-cli-{i}" for i in range(4)]
+            put = client.put(keys, _regions(src))
+            assert list(put) == [Outcome.STORED] * 4
+            where = client.replica_endpoints(keys)
+            pair = {client.hostname, config.pool_segment}
+            assert all(set(w) == pair for w in where), where
 
 
 def test_the_pool_sigkilled_costs_a_mirroring_engine_no_hit(unique):

@@ -329,15 +329,12 @@ def _pool_extra(args: argparse.Namespace) -> dict[str, Any]:
         "global_segment_size": 0,
         "mode": "standalone-store",
     }
-    if args.mirror is not None:
+    if args.mirror is not None:  # placement: once the pool has a name
         extra["global_segment_size"] = args.mirror
         extra["mode"] = "embedded"
-        extra["placement"] = "mirror"
     if args.cluster_id is not None:
         extra["cluster_id"] = args.cluster_id
-    # The pool's segment name is known once it runs (`_engine_keys`).
-    named = {"pool_segment": "127.0.0.1:1"} if args.mirror is not None else {}
-    StoreConfig.from_extra_config({**extra, **named})
+    StoreConfig.from_extra_config(extra)
     return extra
 
 
@@ -348,7 +345,7 @@ def _engine_keys(
     if args.dummy:
         return {**extra, "real_client_address": pool.address}
     if args.mirror is not None:
-        return {**extra, "pool_segment": pool.segment}
+        return {**extra, "placement": "mirror", "pool_segment": pool.segment}
     return extra
 
 

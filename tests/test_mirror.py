@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -237,3 +238,39 @@ def test_the_pool_sigkilled_costs_a_mirroring_engine_no_hit(unique):
                 assert torch.equal(dst, src)
         finally:
             pool.stop()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def test_the_pool_holds_every_segment_name_it_used_until_stopped():
+    """``mooncake_client`` does not bind its name's port, and a store
+    client here names its segment after a port it can bind: the pool
+    holds the port of each name it used (a SIGKILLed start's segment
+    stays at the master until ``client_ttl``), and gives them back when
+    stopped."""
+    with EmbeddedMaster(client_ttl_s=2) as master:
+        pool = NodePool(
+            master_server_address=master.rpc_address,
+            metadata_server=master.metadata_server,
+            global_segment_size=SEGMENT,
+        ).start()
+        try:
+            first = pool.segment_port
+            assert not _bindable(first)
+            pool.kill()
+            pool.restart()
+            second = pool.segment_port
+            assert second != first
+            assert not _bindable(first)
+            assert not _bindable(second)
+        finally:
+            pool.stop()
+        assert _bindable(first)
+        assert _bindable(second)

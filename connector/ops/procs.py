@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -409,10 +410,11 @@ class NodePool(Supervised):
         self.port = port or free_port()
         self.http_port = http_port or free_port()
         self.segment_port = 0
+        self._names: list[socket.socket] = []
         binary = str(find_client_binary())
 
         def argv() -> list[str]:
-            self.segment_port = free_port()  # a new name at each start
+            self.segment_port = self._new_name()  # a new name each start
             return [
                 binary,
                 f"--master_server_address={master_server_address}",
@@ -444,6 +446,28 @@ class NodePool(Supervised):
     def segment(self) -> str:
         """``127.0.0.1:<port>``, the segment name of its current start."""
         return f"{HOST}:{self.segment_port}"
+
+    def _new_name(self) -> int:
+        """A port for a new segment name, held here until `stop`.
+
+        ``mooncake_client`` does not bind the port of its ``--host``, and
+        a store client of this process names its segment after a port it
+        holds: holding every name this pool used (an earlier start's
+        segment outlives a SIGKILL until ``client_ttl``) keeps such a
+        client from taking one.
+        """
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((HOST, 0))
+        self._names.append(sock)
+        port: int = sock.getsockname()[1]
+        return port
+
+    def stop(self) -> int | None:
+        """Stop the pool, then release the names it used."""
+        rc = super().stop()
+        while self._names:
+            self._names.pop().close()
+        return rc
 
     @property
     def health_url(self) -> str:

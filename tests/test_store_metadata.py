@@ -4,11 +4,16 @@ runs them)."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 from connector.store.codes import Op, Outcome
 from connector.store.faults import RateLimitedWarning, transfer_faults
-from connector.store.metadata import MetadataKeeper, metadata_keys
+from connector.store.metadata import (
+    MetadataKeeper,
+    metadata_keys,
+    published_regions,
+)
 
 
 def test_transfer_faults_are_failures_the_master_answered():
@@ -73,3 +78,36 @@ def test_metadata_keeper_restores_only_what_it_saw(monkeypatch):
         "mooncake/c1/ram/h:1",
         "mooncake/c1/rpc_meta/h:1",
     )
+
+
+def _descriptor(*regions: tuple[int, int]) -> bytes:
+    buffers = [{"addr": a, "length": n, "name": "h:1"} for a, n in regions]
+    return json.dumps({"name": "h:1", "buffers": buffers}).encode()
+
+
+def test_metadata_keeper_republishes_a_descriptor_that_lost_a_region(
+    monkeypatch,
+):
+    registered = {(4096, 64), (8192, 64)}
+    republished: list[int] = []
+    keeper = MetadataKeeper("http://127.0.0.1:1/metadata", "h:1")
+    keeper.follow(lambda: set(registered), lambda: not republished.append(1))
+    ram, rpc = metadata_keys("h:1")
+    store = {ram: _descriptor((1, 2), (4096, 64), (8192, 64)), rpc: b"p"}
+    monkeypatch.setattr(keeper, "_get", store.get)
+    monkeypatch.setattr(keeper, "_put", store.__setitem__)
+    assert keeper.check().stale == 0  # lists all it registered
+    store[ram] = _descriptor((1, 2), (4096, 64))  # an older copy won
+    result = keeper.check()
+    assert (result.stale, result.republished) == (1, True)
+    assert republished == [1]
+    assert result.missing == 0
+    registered.discard((8192, 64))  # unregistered: not stale any more
+    assert keeper.check().stale == 0
+    registered.add((8192, 64))
+    assert keeper.check(lambda: True).stale == 0  # closing: not checked
+    assert republished == [1]
+    store[ram] = b"not json"
+    assert keeper.check().stale == 0
+    assert published_regions(b"{}") is None
+    assert published_regions(_descriptor((5, 6))) == {(5, 6)}

@@ -534,7 +534,9 @@ class LifecyclePromMetrics(KVConnectorPromMetrics):
             "kind: transfer (keys failed although the master answered), "
             "metadata_missing / metadata_restored (this client's transfer "
             "metadata lost by the metadata server, e.g. after a master "
-            "restart, and written back).",
+            "restart, and written back), metadata_stale (registered "
+            "regions its published descriptor did not list; published "
+            "again).",
             labelnames=[*labelnames, "kind"],
         )
         self._lookups = counter(

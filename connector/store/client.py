@@ -114,6 +114,9 @@ MASTER_GONE: Final = 0.25
 """Seconds `StoreClient.close` waits for a TCP connect to an unhealthy
 master before it leaves the Mooncake client to process exit."""
 
+_SCRATCH_BYTES: Final = 4096
+"""Bytes of the page `StoreClient._republish` registers and unregisters."""
+
 _KEPT_OPEN: list[Any] = []
 """Mooncake objects left to process exit (never destroyed)."""
 _LEFT_WHY: set[str] = set()
@@ -206,6 +209,9 @@ class StoreClient:
         self.left_to_exit: str | None = None
         self._registered: dict[int, int] = {}
         self._starts: list[int] = []
+        self._scratch: ctypes.Array[ctypes.c_char] | None = None
+        if keeper is not None:
+            keeper.follow(self._registered_regions, self._republish)
         self._watch = (
             MetadataWatch(keeper, metadata_check_s, self._on_metadata).start()
             if keeper is not None
@@ -1391,8 +1397,45 @@ class StoreClient:
             dict(faults.most_common()),
         )
 
+    def _registered_regions(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of each region registered here."""
+        with self._lock:
+            return list(self._registered.items())
+
+    def _republish(self) -> bool:
+        """Make Mooncake write this client's segment descriptor again.
+
+        Mooncake publishes its current descriptor on every registration,
+        so registering and unregistering a scratch page of this client's
+        own rewrites the entry without touching a caller's region.
+        Returns whether both calls succeeded.
+        """
+        with self._lock:
+            if self._closed:
+                return False
+            if self._scratch is None:
+                self._scratch = ctypes.create_string_buffer(_SCRATCH_BYTES)
+            ptr = ctypes.addressof(self._scratch)
+            if self._store.register_buffer(ptr, _SCRATCH_BYTES) != 0:
+                return False
+            return bool(self._store.unregister_buffer(ptr) == 0)
+
     def _on_metadata(self, check: MetadataCheck) -> None:
         """Count and report (rate-limited) one metadata check."""
+        if check.stale:
+            self.stats.fault("metadata_stale", check.stale)
+            self._warn.note(
+                "metadata_stale",
+                check.stale,
+                "the metadata server's segment descriptor of store client "
+                "%s lacked %d region(s) it registered (Mooncake's client "
+                "re-published an older copy over a registration); %s",
+                self._watch.keeper.name if self._watch is not None else "?",
+                check.stale,
+                "published again"
+                if check.republished
+                else "could not publish it again (next check retries)",
+            )
         if not check.missing:
             return
         self.stats.fault("metadata_missing", check.missing)

@@ -21,10 +21,16 @@ from connector.store.codes import _SUCCESS, Op, Outcome
 
 _LATENCY_SAMPLES: Final = 1024
 
-FAULT_KINDS: Final = ("transfer", "metadata_missing", "metadata_restored")
+FAULT_KINDS: Final = (
+    "transfer",
+    "metadata_missing",
+    "metadata_restored",
+    "metadata_stale",
+)
 """What `StoreCounters.fault` counts: keys that failed although the
-master answered (``transfer``), and the client's own transfer-metadata
-entries found missing from the metadata server and written back
+master answered (``transfer``), the client's own transfer-metadata
+entries found missing from the metadata server and written back, and
+registered regions its published descriptor did not list
 (``connector.store.metadata``)."""
 
 

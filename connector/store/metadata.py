@@ -19,12 +19,24 @@ copy from every entry it finds, so a descriptor updated by a later
 ``register_buffer`` is what it restores.  `MetadataWatch` runs a keeper
 in a daemon thread every ``interval_s``.
 
+A present descriptor can also be stale.  Mooncake's client re-mounts its
+segment once right after ``setup()`` (its first heartbeat) and, on that
+thread, re-publishes a copy of the descriptor it took before the PUT; a
+``register_buffer`` made meanwhile (the connector registers its KV
+caches right after set-up) is then missing from the entry for good
+(reproduced: 2 of 12 clients that registered at once).  Given the
+regions its client registered (``regions``), the keeper also checks that
+the descriptor lists each of them and, when one is missing, asks the
+client to publish again (``republish``: Mooncake writes its current
+descriptor on every registration).
+
 Only ``http://`` metadata servers are watched (etcd, redis and
 ``P2PHANDSHAKE`` keep no state in the master).  No vLLM import.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -37,14 +49,16 @@ from typing import TYPE_CHECKING, Final
 import attrs
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Collection
 
 __all__ = [
     "DEFAULT_METADATA_CHECK_S",
     "MetadataCheck",
     "MetadataKeeper",
     "MetadataWatch",
+    "Region",
     "metadata_keys",
+    "published_regions",
 ]
 
 log: Final = logging.getLogger(__name__)
@@ -57,6 +71,9 @@ HTTP_TIMEOUT_S: Final = 1.0
 """Bound of one request to the metadata server."""
 
 _NOT_FOUND: Final = 404
+
+Region = tuple[int, int]
+"""A registered region: ``(address, length in bytes)``."""
 
 
 def metadata_keys(name: str) -> tuple[str, str]:
@@ -81,11 +98,29 @@ class MetadataCheck:
         restored: missing entries written back.
         failed: whether the metadata server could not be asked (down,
             or it answered an error other than 404).
+        stale: registered regions the published descriptor did not list.
+        republished: whether the client published its descriptor again
+            for them.
     """
 
     missing: int = 0
     restored: int = 0
     failed: bool = False
+    stale: int = 0
+    republished: bool = False
+
+
+def published_regions(descriptor: bytes) -> frozenset[Region] | None:
+    """The ``(addr, length)`` of each buffer a segment descriptor lists.
+
+    None when ``descriptor`` is not the JSON object Mooncake's transfer
+    engine writes (then nothing can be said about it).
+    """
+    try:
+        buffers = json.loads(descriptor)["buffers"]
+        return frozenset((int(b["addr"]), int(b["length"])) for b in buffers)
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class MetadataKeeper:
@@ -95,23 +130,51 @@ class MetadataKeeper:
         url: The metadata server (``http://host:port/metadata``).
         name: The client's segment name (``ip:port``).
         timeout_s: Bound of each HTTP request.
+        regions: The regions the client registered, now (checked
+            against the published descriptor; none by default).
+        republish: Makes the client write its current descriptor again;
+            returns whether it did.
     """
 
     def __init__(
-        self, url: str, name: str, *, timeout_s: float = HTTP_TIMEOUT_S
+        self,
+        url: str,
+        name: str,
+        *,
+        timeout_s: float = HTTP_TIMEOUT_S,
+        regions: Callable[[], Collection[Region]] = frozenset,
+        republish: Callable[[], bool] = lambda: False,
     ) -> None:
         self.url = url
         self.name = name
         self.timeout_s = timeout_s
         self.keys = metadata_keys(name)
         self._known: dict[str, bytes] = {}
+        self._regions = regions
+        self._republish = republish
 
     @classmethod
-    def for_server(cls, url: str, name: str) -> MetadataKeeper | None:
+    def for_server(
+        cls,
+        url: str,
+        name: str,
+        *,
+        regions: Callable[[], Collection[Region]] = frozenset,
+        republish: Callable[[], bool] = lambda: False,
+    ) -> MetadataKeeper | None:
         """A keeper if ``url`` is an HTTP metadata server, else None."""
         if not url.startswith(("http://", "https://")) or not name:
             return None
-        return cls(url, name)
+        return cls(url, name, regions=regions, republish=republish)
+
+    def follow(
+        self,
+        regions: Callable[[], Collection[Region]],
+        republish: Callable[[], bool],
+    ) -> None:
+        """Check the descriptor against ``regions`` from now on."""
+        self._regions = regions
+        self._republish = republish
 
     @property
     def known(self) -> frozenset[str]:
@@ -124,16 +187,21 @@ class MetadataKeeper:
         """Restore each missing entry; remember each present one.
 
         Asks for each entry: a missing one gets its remembered value
-        written back, a present one's value is remembered.
+        written back, a present one's value is remembered.  A present
+        segment descriptor that lacks a region registered before it was
+        asked for (and still registered after) is stale: ``republish``.
 
         Never raises for the server's answers: a server that cannot be
         reached gives ``failed`` (the next check asks again).  Nothing is
         written back once ``stopped()`` is true (a closing client's
         Mooncake ``close()`` removes its own entries).
         """
-        missing = restored = 0
-        failed = False
+        missing = restored = stale = 0
+        failed = republished = False
         for key in self.keys:
+            expected = (
+                frozenset(self._regions()) if key == self.keys[0] else ()
+            )
             try:
                 body = self._get(key)
             except OSError:
@@ -141,6 +209,10 @@ class MetadataKeeper:
                 continue
             if body is not None:
                 self._known[key] = body
+                if expected and not stopped():
+                    stale = self._stale(body, expected)
+                    if stale:
+                        republished = self._republish()
                 continue
             missing += 1
             value = self._known.get(key)
@@ -153,7 +225,22 @@ class MetadataKeeper:
                 log.debug("could not restore %s: %s", key, exc)
                 continue
             restored += 1
-        return MetadataCheck(missing, restored, failed)
+        return MetadataCheck(missing, restored, failed, stale, republished)
+
+    def _stale(self, descriptor: bytes, expected: frozenset[Region]) -> int:
+        """How many regions of ``expected`` ``descriptor`` does not list.
+
+        Only regions still registered now count (one unregistered while
+        the entry was read is no fault); 0 for a descriptor that cannot
+        be parsed.
+        """
+        published = published_regions(descriptor)
+        if published is None:
+            return 0
+        absent = expected - published
+        if absent:
+            absent &= frozenset(self._regions())
+        return len(absent)
 
     def _address(self, key: str) -> str:
         return f"{self.url}?key={urllib.parse.quote(key, safe='')}"

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -30,7 +32,7 @@ from connector.ops.master import (
     process_alive,
     store_config_for,
 )
-from connector.ops.procs import NodePool
+from connector.ops.procs import EmbeddedEtcd, NodePool
 from connector.store import Outcome, StoreClient
 from connector.store.keys import KeyLayout, KeyScheme
 from tests.conftest import pool_argv, pool_command
@@ -339,6 +341,25 @@ def test_cli_master_ha_prints_an_etcd_config_and_stops_on_sigterm(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@needs_etcd
+def test_a_taken_port_costs_etcd_one_attempt_not_its_start(caplog) -> None:
+    """A picked client port taken before etcd binds it: the first start
+    tries new ports (and a fresh data directory)."""
+    etcd = EmbeddedEtcd()
+    taken = etcd.client_port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as thief:
+        thief.bind(("127.0.0.1", taken))
+        thief.listen()
+        try:
+            with caplog.at_level(logging.WARNING, "connector.ops.procs"):
+                etcd.start()
+            assert etcd.client_port != taken
+            assert etcd.running
+            assert "etcd start attempt 1/3 failed" in caplog.text
+        finally:
+            etcd.stop()
 
 
 def test_ha_address_and_cluster_id_are_checked() -> None:

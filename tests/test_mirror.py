@@ -12,6 +12,7 @@ Real processes only: the wheel's ``mooncake_master`` and a node-level
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import signal
 import socket
@@ -274,3 +275,30 @@ def test_the_pool_holds_every_segment_name_it_used_until_stopped():
             pool.stop()
         assert _bindable(first)
         assert _bindable(second)
+
+
+def test_a_taken_port_costs_the_pool_one_attempt_not_its_start(caplog):
+    """A port picked for the pool and taken before the client binds it
+    (the client exits with status 1): the first start tries new ports."""
+    with EmbeddedMaster(client_ttl_s=2) as master:
+        pool = NodePool(
+            master_server_address=master.rpc_address,
+            metadata_server=master.metadata_server,
+            global_segment_size=SEGMENT,
+        )
+        taken = pool.port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as thief:
+            thief.bind(("127.0.0.1", taken))
+            thief.listen()
+            try:
+                with caplog.at_level(logging.WARNING, "connector.ops.procs"):
+                    pool.start()
+                assert pool.port != taken
+                assert pool.running
+                assert "start attempt 1/3 failed" in caplog.text
+                given = (pool.port, pool.http_port)
+                pool.kill()
+                pool.restart()  # a restart keeps the ports it gave out
+                assert (pool.port, pool.http_port) == given
+            finally:
+                pool.stop()

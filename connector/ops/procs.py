@@ -86,7 +86,8 @@ class Supervised(_ChildProcess):
     ``ServiceStartError`` (exited early, not ready within
     ``start_timeout_s``, no executable); ``stop()`` is idempotent and
     bounded (SIGTERM, SIGKILL after ``stop_timeout_s``); ``restart()``
-    reuses the argv (and so the ports).
+    reuses the argv (and so the ports).  The first ``start()`` tries
+    ``first_start_attempts`` times, with new ports from ``_repick``.
 
     Args:
         name: what the process is, in logs and errors.
@@ -125,6 +126,10 @@ class Supervised(_ChildProcess):
         self.log_level = log_level
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
+        #: Attempts of the first ``start()`` (a subclass that picks its
+        #: own free ports sets more: one can be taken before the child
+        #: binds it); later starts, ``restart`` included, keep the ports.
+        self.first_start_attempts = 1
 
     # -- state -------------------------------------------------------------
 
@@ -166,9 +171,31 @@ class Supervised(_ChildProcess):
         with self._lock:
             if self.running:
                 return self
-            self._spawn()
-            self._wait_ready()
-            return self
+            attempt = 1
+            while True:
+                try:
+                    self._spawn()
+                    self._wait_ready()
+                except ServiceStartError as exc:
+                    if attempt >= self.first_start_attempts:
+                        raise
+                    if not self._repick():
+                        raise
+                    log.warning(
+                        "%s start attempt %d/%d failed (%s); trying new ports",
+                        self.name,
+                        attempt,
+                        self.first_start_attempts,
+                        exc,
+                    )
+                    attempt += 1
+                    continue
+                self.first_start_attempts = 1  # its ports are given out
+                return self
+
+    def _repick(self) -> bool:
+        """Pick new ports for a next attempt; False: none to pick."""
+        return False
 
     def restart(self) -> Self:
         """Stop it if it runs, then start it again with the same argv."""
@@ -312,24 +339,41 @@ class EmbeddedEtcd(Supervised):
     ) -> None:
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
+        self._picked = (client_port is None, peer_port is None)
         self._own_dir = data_dir is None
         self.data_dir = Path(
             data_dir if data_dir is not None else tempfile.mkdtemp("-etcd")
         )
-        client = f"http://{HOST}:{self.client_port}"
-        peer = f"http://{HOST}:{self.peer_port}"
-        argv = [
-            str(find_etcd()),
-            "--name=kv-lifecycle",
-            f"--data-dir={self.data_dir / 'data'}",
-            f"--listen-client-urls={client}",
-            f"--advertise-client-urls={client}",
-            f"--listen-peer-urls={peer}",
-            f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=kv-lifecycle={peer}",
-            "--log-level=warn",
-        ]
+        binary = str(find_etcd())
+
+        def argv() -> list[str]:
+            client = f"http://{HOST}:{self.client_port}"
+            peer = f"http://{HOST}:{self.peer_port}"
+            return [
+                binary,
+                "--name=kv-lifecycle",
+                f"--data-dir={self.data_dir / 'data'}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=kv-lifecycle={peer}",
+                "--log-level=warn",
+            ]
+
         super().__init__("etcd", argv, self._healthy, **kwargs)
+        self.first_start_attempts = 3
+
+    def _repick(self) -> bool:
+        """New ports for those picked here; whether there were any."""
+        pick_client, pick_peer = self._picked
+        if not (pick_client or pick_peer):
+            return False
+        self.client_port = free_port() if pick_client else self.client_port
+        self.peer_port = free_port() if pick_peer else self.peer_port
+        if self._own_dir:  # a member bootstrapped with the old URLs
+            shutil.rmtree(self.data_dir / "data", ignore_errors=True)
+        return True
 
     @property
     def endpoint(self) -> str:
@@ -381,6 +425,9 @@ class NodePool(Supervised):
         cluster_id: the HA set's cluster id (``MC_STORE_CLUSTER_ID``).
         port: ``--port`` of its RPC service (free one by default).
         http_port: its ``/health`` and ``/metrics`` port.
+        start_attempts: how many port picks the first ``start()`` tries
+            when a port was picked here (a free port can be taken before
+            the client binds it: the client then exits with status 1).
 
     Its segment is named ``127.0.0.1:<port>`` with a port picked at each
     start (`segment`), so engines can name the pool in ``pool_segment``
@@ -402,6 +449,7 @@ class NodePool(Supervised):
         port: int | None = None,
         http_port: int | None = None,
         extra_flags: Sequence[str] = (),
+        start_attempts: int = 3,
         **kwargs: Any,
     ) -> None:
         self.master_server_address = master_server_address
@@ -409,6 +457,7 @@ class NodePool(Supervised):
         self.global_segment_size = global_segment_size
         self.port = port or free_port()
         self.http_port = http_port or free_port()
+        self._picked = (port is None, http_port is None)
         self.segment_port = 0
         self._names: list[socket.socket] = []
         binary = str(find_client_binary())
@@ -436,6 +485,7 @@ class NodePool(Supervised):
         super().__init__(
             "mooncake_client", argv, self._ready_now, env=env, **kwargs
         )
+        self.first_start_attempts = max(1, start_attempts)
 
     @property
     def address(self) -> str:
@@ -447,6 +497,13 @@ class NodePool(Supervised):
         """``127.0.0.1:<port>``, the segment name of its current start."""
         return f"{HOST}:{self.segment_port}"
 
+    def _repick(self) -> bool:
+        """New ports for those picked here; whether there were any."""
+        pick_port, pick_http = self._picked
+        self.port = free_port() if pick_port else self.port
+        self.http_port = free_port() if pick_http else self.http_port
+        return pick_port or pick_http
+
     def _new_name(self) -> int:
         """A port for a new segment name, held here until `stop`.
 
@@ -456,11 +513,13 @@ class NodePool(Supervised):
         segment outlives a SIGKILL until ``client_ttl``) keeps such a
         client from taking one.
         """
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind((HOST, 0))
-        self._names.append(sock)
-        port: int = sock.getsockname()[1]
-        return port
+        while True:  # bounded: each pass holds a new port
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((HOST, 0))
+            self._names.append(sock)
+            port: int = sock.getsockname()[1]
+            if port not in {self.port, self.http_port}:  # not yet bound
+                return port
 
     def stop(self) -> int | None:
         """Stop the pool, then release the names it used."""

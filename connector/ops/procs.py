@@ -43,6 +43,7 @@ from connector.ops.master import (
     find_binary,
     process_alive,
 )
+from connector.store.engine import hold_port
 from connector.store.mooncake import probe_tcp
 
 if TYPE_CHECKING:
@@ -61,8 +62,6 @@ log = logging.getLogger(__name__)
 
 def free_port() -> int:
     """A free loopback TCP port (racy: retry the start if it is taken)."""
-    import socket  # noqa: PLC0415 - only here
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         port: int = s.getsockname()[1]
@@ -97,6 +96,9 @@ class Supervised(_ChildProcess):
             ``log_file``.
         log_file: append the output there instead of logging it.
         env: extra environment variables.
+        picked_ports: the attributes holding ports picked by the owner
+            (``free_port``), picked again when a first start fails.
+        start_attempts: attempts of the first start with such ports.
     """
 
     def __init__(
@@ -111,6 +113,8 @@ class Supervised(_ChildProcess):
         log_level: int = logging.DEBUG,
         start_timeout_s: float = 30.0,
         stop_timeout_s: float = 5.0,
+        picked_ports: Sequence[str] = (),
+        start_attempts: int = 3,
     ) -> None:
         if not dies_with_owner and log_file is None:
             reason = "a process that outlives its owner needs a log file"
@@ -126,10 +130,13 @@ class Supervised(_ChildProcess):
         self.log_level = log_level
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
-        #: Attempts of the first ``start()`` (a subclass that picks its
-        #: own free ports sets more: one can be taken before the child
-        #: binds it); later starts, ``restart`` included, keep the ports.
-        self.first_start_attempts = 1
+        self._picked_ports = tuple(picked_ports)
+        #: Attempts of the first ``start()``: ``start_attempts`` when
+        #: ports were picked here (one can be taken before the child binds
+        #: it), else 1; later starts, ``restart`` included, keep the ports.
+        self.first_start_attempts = (
+            max(1, start_attempts) if self._picked_ports else 1
+        )
 
     # -- state -------------------------------------------------------------
 
@@ -194,8 +201,10 @@ class Supervised(_ChildProcess):
                 return self
 
     def _repick(self) -> bool:
-        """Pick new ports for a next attempt; False: none to pick."""
-        return False
+        """New free ports in ``picked_ports``; False: none to pick."""
+        for name in self._picked_ports:
+            setattr(self, name, free_port())
+        return bool(self._picked_ports)
 
     def restart(self) -> Self:
         """Stop it if it runs, then start it again with the same argv."""
@@ -339,7 +348,14 @@ class EmbeddedEtcd(Supervised):
     ) -> None:
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
-        self._picked = (client_port is None, peer_port is None)
+        picked = [
+            name
+            for name, given in (
+                ("client_port", client_port),
+                ("peer_port", peer_port),
+            )
+            if given is None
+        ]
         self._own_dir = data_dir is None
         self.data_dir = Path(
             data_dir if data_dir is not None else tempfile.mkdtemp("-etcd")
@@ -361,16 +377,14 @@ class EmbeddedEtcd(Supervised):
                 "--log-level=warn",
             ]
 
-        super().__init__("etcd", argv, self._healthy, **kwargs)
-        self.first_start_attempts = 3
+        super().__init__(
+            "etcd", argv, self._healthy, picked_ports=picked, **kwargs
+        )
 
     def _repick(self) -> bool:
-        """New ports for those picked here; whether there were any."""
-        pick_client, pick_peer = self._picked
-        if not (pick_client or pick_peer):
+        """New ports, and a fresh data directory if it is etcd's own."""
+        if not super()._repick():
             return False
-        self.client_port = free_port() if pick_client else self.client_port
-        self.peer_port = free_port() if pick_peer else self.peer_port
         if self._own_dir:  # a member bootstrapped with the old URLs
             shutil.rmtree(self.data_dir / "data", ignore_errors=True)
         return True
@@ -457,7 +471,11 @@ class NodePool(Supervised):
         self.global_segment_size = global_segment_size
         self.port = port or free_port()
         self.http_port = http_port or free_port()
-        self._picked = (port is None, http_port is None)
+        picked = [
+            name
+            for name, given in (("port", port), ("http_port", http_port))
+            if given is None
+        ]
         self.segment_port = 0
         self._names: list[socket.socket] = []
         binary = str(find_client_binary())
@@ -483,9 +501,14 @@ class NodePool(Supervised):
         if cluster_id is not None:
             env["MC_STORE_CLUSTER_ID"] = cluster_id
         super().__init__(
-            "mooncake_client", argv, self._ready_now, env=env, **kwargs
+            "mooncake_client",
+            argv,
+            self._ready_now,
+            env=env,
+            picked_ports=picked,
+            start_attempts=start_attempts,
+            **kwargs,
         )
-        self.first_start_attempts = max(1, start_attempts)
 
     @property
     def address(self) -> str:
@@ -497,13 +520,6 @@ class NodePool(Supervised):
         """``127.0.0.1:<port>``, the segment name of its current start."""
         return f"{HOST}:{self.segment_port}"
 
-    def _repick(self) -> bool:
-        """New ports for those picked here; whether there were any."""
-        pick_port, pick_http = self._picked
-        self.port = free_port() if pick_port else self.port
-        self.http_port = free_port() if pick_http else self.http_port
-        return pick_port or pick_http
-
     def _new_name(self) -> int:
         """A port for a new segment name, held here until `stop`.
 
@@ -514,8 +530,7 @@ class NodePool(Supervised):
         client from taking one.
         """
         while True:  # bounded: each pass holds a new port
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((HOST, 0))
+            sock = hold_port(HOST)
             self._names.append(sock)
             port: int = sock.getsockname()[1]
             if port not in {self.port, self.http_port}:  # not yet bound

@@ -1422,6 +1422,7 @@ class StoreClient:
 
     def _on_metadata(self, check: MetadataCheck) -> None:
         """Count and report (rate-limited) one metadata check."""
+        name = self._watch.keeper.name if self._watch is not None else "?"
         if check.stale:
             self.stats.fault("metadata_stale", check.stale)
             self._warn.note(
@@ -1430,7 +1431,7 @@ class StoreClient:
                 "the metadata server's segment descriptor of store client "
                 "%s lacked %d region(s) it registered (Mooncake's client "
                 "re-published an older copy over a registration); %s",
-                self._watch.keeper.name if self._watch is not None else "?",
+                name,
                 check.stale,
                 "published again"
                 if check.republished
@@ -1448,7 +1449,7 @@ class StoreClient:
             "metadata server %s (%d of 2 entries; did the master restart?): "
             "peers cannot read its segment until it is published again; "
             "%d restored from the client's last copy",
-            self._watch.keeper.name if self._watch is not None else "?",
+            name,
             self.config.metadata_server,
             check.missing,
             check.restored,

@@ -221,7 +221,7 @@ class ReplicaReader:
         if sep and port.isdigit():
             name = host
         else:
-            hold = NameHold(_hold_port(host))
+            hold = NameHold(hold_port(host))
             name = f"{host}:{hold.port}"
         try:
             from mooncake.engine import TransferEngine  # noqa: PLC0415
@@ -339,7 +339,7 @@ def _close(sock: socket.socket | None) -> None:
         sock.close()
 
 
-def _hold_port(host: str) -> socket.socket:
+def hold_port(host: str) -> socket.socket:
     """A bound TCP socket on a free port of ``host`` (else any address)."""
     hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:

@@ -865,11 +865,7 @@ class _Writers:
             from connector.ops.procs import NodePool  # noqa: PLC0415
 
             master = self.stack.enter_context(EmbeddedMaster())
-            pool = NodePool(
-                master_server_address=master.rpc_address,
-                metadata_server=master.metadata_server,
-                global_segment_size=256 * 1024 * 1024,
-            )
+            pool = NodePool.for_master(master, 256 * 1024 * 1024)
             self.stack.callback(pool.stop)
             pool.start()
             self.pool_master = master

@@ -198,11 +198,7 @@ def engine_restart(
     segment: int | str = "64MiB"
     more: dict[str, Any] = {}
     if node_pool:
-        pool = NodePool(
-            master_server_address=master.rpc_address,
-            metadata_server=master.metadata_server,
-            global_segment_size=POOL_BYTES,
-        ).start()
+        pool = NodePool.for_master(master, POOL_BYTES).start()
         if mirror:
             more = {"placement": "mirror", "pool_segment": pool.segment}
         else:

@@ -234,11 +234,7 @@ def measure_engine(
         segment: str | int = "1GB"
         address = None
         if node_pool or peer_segment:
-            pool = NodePool(
-                master_server_address=master.rpc_address,
-                metadata_server=master.metadata_server,
-                global_segment_size=1024 * 1024 * 1024,
-            )
+            pool = NodePool.for_master(master, 1024 * 1024 * 1024)
             stack.enter_context(pool)
         pool_segment = None
         if node_pool and mirror:

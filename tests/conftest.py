@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -364,3 +365,12 @@ def pool_command(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def taken(port: int) -> Iterator[None]:
+    """Listen on loopback ``port`` meanwhile, as a process that took it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as thief:
+        thief.bind(("127.0.0.1", port))
+        thief.listen()
+        yield

@@ -42,11 +42,7 @@ def dummy_config(master: EmbeddedMaster, node: NodePool) -> StoreConfig:
 def pool():
     """A master and a node-level pool for this module's tests."""
     with EmbeddedMaster(client_ttl_s=2) as master:
-        node = NodePool(
-            master_server_address=master.rpc_address,
-            metadata_server=master.metadata_server,
-            global_segment_size=POOL,
-        ).start()
+        node = NodePool.for_master(master, POOL).start()
         try:
             yield master, node
         finally:

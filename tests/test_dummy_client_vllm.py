@@ -43,11 +43,7 @@ def pooled(start_master, unique):
     """A private master, its node-level pool, and a harness factory whose
     instances are dummy clients of that pool."""
     master = start_master(client_ttl_s=2)
-    node = NodePool(
-        master_server_address=master.rpc_address,
-        metadata_server=master.metadata_server,
-        global_segment_size=64 * 1024 * 1024,
-    ).start()
+    node = NodePool.for_master(master, 64 * 1024 * 1024).start()
     extra = store_extra(
         master,
         unique,

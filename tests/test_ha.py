@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -35,7 +34,7 @@ from connector.ops.master import (
 from connector.ops.procs import EmbeddedEtcd, NodePool
 from connector.store import Outcome, StoreClient
 from connector.store.keys import KeyLayout, KeyScheme
-from tests.conftest import pool_argv, pool_command
+from tests.conftest import pool_argv, pool_command, taken
 
 pytestmark = pytest.mark.mooncake
 
@@ -348,14 +347,12 @@ def test_a_taken_port_costs_etcd_one_attempt_not_its_start(caplog) -> None:
     """A picked client port taken before etcd binds it: the first start
     tries new ports (and a fresh data directory)."""
     etcd = EmbeddedEtcd()
-    taken = etcd.client_port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as thief:
-        thief.bind(("127.0.0.1", taken))
-        thief.listen()
+    first = etcd.client_port
+    with taken(first):
         try:
             with caplog.at_level(logging.WARNING, "connector.ops.procs"):
                 etcd.start()
-            assert etcd.client_port != taken
+            assert etcd.client_port != first
             assert etcd.running
             assert "etcd start attempt 1/3 failed" in caplog.text
         finally:
@@ -478,11 +475,7 @@ def test_blocks_outlive_a_sigkilled_engine_only_with_a_node_pool(
     with EmbeddedMaster(client_ttl_s=2) as master:
         node = None
         if pool != "embedded":
-            node = NodePool(
-                master_server_address=master.rpc_address,
-                metadata_server=master.metadata_server,
-                global_segment_size=64 * 1024 * 1024,
-            ).start()
+            node = NodePool.for_master(master, 64 * 1024 * 1024).start()
         try:
             segment = 0 if pool == "node-pool" else 64 * 1024 * 1024
             engine_config = store_config_for(
@@ -526,11 +519,7 @@ def test_node_pool_sigkill_loses_blocks_not_bytes_and_sharing_resumes(
     """SIGKILL the node-level process: loads fail (never wrong bytes) and
     the engine keeps running; after a restart, puts and gets work again."""
     with EmbeddedMaster(client_ttl_s=2) as master:
-        node = NodePool(
-            master_server_address=master.rpc_address,
-            metadata_server=master.metadata_server,
-            global_segment_size=64 * 1024 * 1024,
-        ).start()
+        node = NodePool.for_master(master, 64 * 1024 * 1024).start()
         try:
             config = store_config_for(
                 master, global_segment_size=0, rpc_timeout_ms=1000
@@ -593,11 +582,7 @@ def test_dummy_client_works_with_registered_pool_buffers() -> None:
     from mooncake.store import MooncakeDistributedStore  # noqa: PLC0415
 
     with EmbeddedMaster() as master:
-        node = NodePool(
-            master_server_address=master.rpc_address,
-            metadata_server=master.metadata_server,
-            global_segment_size=64 * 1024 * 1024,
-        ).start()
+        node = NodePool.for_master(master, 64 * 1024 * 1024).start()
         try:
             store = MooncakeDistributedStore()
             assert store.setup_dummy(64 << 20, 16 << 20, node.address) == 0

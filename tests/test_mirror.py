@@ -27,7 +27,7 @@ from connector.config import StoreConfig
 from connector.ops.master import EmbeddedMaster, store_config_for
 from connector.ops.procs import NodePool
 from connector.store import Outcome, StoreClient
-from tests.conftest import pool_command
+from tests.conftest import pool_command, taken
 
 pytestmark = pytest.mark.mooncake
 
@@ -42,11 +42,7 @@ WAIT_S = 10.0
 def node():
     """A master and a node-level pool of 64 MiB, named for mirroring."""
     with EmbeddedMaster(client_ttl_s=2) as master:
-        pool = NodePool(
-            master_server_address=master.rpc_address,
-            metadata_server=master.metadata_server,
-            global_segment_size=4 * SEGMENT,
-        ).start()
+        pool = NodePool.for_master(master, 4 * SEGMENT).start()
         try:
             yield master, pool
         finally:
@@ -203,11 +199,7 @@ def test_the_pool_sigkilled_costs_a_mirroring_engine_no_hit(unique):
     from its own segment, byte for byte; once the master dropped the dead
     segment (``client_ttl``) its puts are stored again."""
     with EmbeddedMaster(client_ttl_s=2) as master:
-        pool = NodePool(
-            master_server_address=master.rpc_address,
-            metadata_server=master.metadata_server,
-            global_segment_size=4 * SEGMENT,
-        ).start()
+        pool = NodePool.for_master(master, 4 * SEGMENT).start()
         try:
             base = store_config_for(
                 master, global_segment_size=SEGMENT, rpc_timeout_ms=1000
@@ -257,11 +249,7 @@ def test_the_pool_holds_every_segment_name_it_used_until_stopped():
     stays at the master until ``client_ttl``), and gives them back when
     stopped."""
     with EmbeddedMaster(client_ttl_s=2) as master:
-        pool = NodePool(
-            master_server_address=master.rpc_address,
-            metadata_server=master.metadata_server,
-            global_segment_size=SEGMENT,
-        ).start()
+        pool = NodePool.for_master(master, SEGMENT).start()
         try:
             first = pool.segment_port
             assert not _bindable(first)
@@ -281,19 +269,13 @@ def test_a_taken_port_costs_the_pool_one_attempt_not_its_start(caplog):
     """A port picked for the pool and taken before the client binds it
     (the client exits with status 1): the first start tries new ports."""
     with EmbeddedMaster(client_ttl_s=2) as master:
-        pool = NodePool(
-            master_server_address=master.rpc_address,
-            metadata_server=master.metadata_server,
-            global_segment_size=SEGMENT,
-        )
-        taken = pool.port
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as thief:
-            thief.bind(("127.0.0.1", taken))
-            thief.listen()
+        pool = NodePool.for_master(master, SEGMENT)
+        first = pool.port
+        with taken(first):
             try:
                 with caplog.at_level(logging.WARNING, "connector.ops.procs"):
                     pool.start()
-                assert pool.port != taken
+                assert pool.port != first
                 assert pool.running
                 assert "start attempt 1/3 failed" in caplog.text
                 given = (pool.port, pool.http_port)

@@ -49,6 +49,8 @@ from connector.store.mooncake import probe_tcp
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from connector.ops.master import MasterAddresses
+
 __all__ = [
     "EmbeddedEtcd",
     "NodePool",
@@ -507,6 +509,21 @@ class NodePool(Supervised):
             env=env,
             picked_ports=picked,
             start_attempts=start_attempts,
+            **kwargs,
+        )
+
+    @classmethod
+    def for_master(
+        cls, master: MasterAddresses, global_segment_size: int, **kwargs: Any
+    ) -> Self:
+        """A pool (not started) on ``master``'s RPC and metadata servers.
+
+        ``kwargs`` as for the constructor.
+        """
+        return cls(
+            master_server_address=master.rpc_address,
+            metadata_server=master.metadata_server,
+            global_segment_size=global_segment_size,
             **kwargs,
         )
 
